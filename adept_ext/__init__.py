@@ -1,0 +1,17 @@
+"""adept_ext: C++/CUDA kernels and tools for continual pretraining without catastrophic forgetting.
+
+See README.md for the API and ../shared/SPEC.md (in the project) for the methods.
+"""
+import torch  # noqa: F401  (the compiled library links against torch: import it first)
+
+from . import _C  # noqa: F401  (loads the shared object, which registers torch.ops.adept_ext)
+from . import ops, reference  # noqa: F401
+from .importance import mean_importance
+from .ops import taylor_importance
+
+__all__ = ["cuda_available", "mean_importance", "ops", "reference", "taylor_importance"]
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels were compiled into this build (says nothing about a GPU being present)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("adept_ext::taylor_importance", "CUDA")

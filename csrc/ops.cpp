@@ -1,0 +1,21 @@
+// Op schemas of adept_ext and the (empty) Python module that loads them.
+// Backends register their kernels in csrc/cpu/ and csrc/cuda/ with TORCH_LIBRARY_IMPL;
+// argument checks with clear messages live in adept_ext/ops.py (DESIGN.md, "Checks happen in one place").
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import adept_ext._C` runs this, and loading the shared object runs the static
+// registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(adept_ext, m) {
+  // Per tensor i: [sum_j theta_j * g_j, sum_j |theta_j * g_j|] in float32 (SPEC §1.3).
+  m.def("taylor_importance(Tensor[] params, Tensor[] grads) -> Tensor");
+  // Same sums written into (accumulate=False) or added onto (accumulate=True) out [n, 2] float32.
+  m.def("taylor_importance_out(Tensor[] params, Tensor[] grads, Tensor(a!) out, bool accumulate) -> ()");
+}
