@@ -55,7 +55,10 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     cpu_vec = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 else:
     cpu_vec = ["-DCPU_CAPABILITY=DEFAULT"]
-cxx_flags = ["-O3", *cpu_vec]
+# at::parallel_for is inline OpenMP code: without -fopenmp it silently runs on one thread.
+# The soname libgomp.so.1 resolves to the copy torch has already loaded.
+cxx_flags = ["-O3", "-fopenmp", *cpu_vec]
+link_flags = ["-fopenmp"]
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 if build_cuda:
@@ -64,9 +67,10 @@ if build_cuda:
         "adept_ext._C",
         sources,
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+        extra_link_args=link_flags,
     )
 else:
-    ext = CppExtension("adept_ext._C", sources, extra_compile_args={"cxx": cxx_flags})
+    ext = CppExtension("adept_ext._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 print(f"adept_ext: building CPU kernels{' and CUDA kernels (' + cuda_home + ')' if build_cuda else ''}")
 

@@ -6,7 +6,7 @@ import torch  # noqa: F401  (the compiled library links against torch: import it
 
 from . import _C  # noqa: F401  (loads the shared object, which registers torch.ops.adept_ext)
 from . import ops, reference  # noqa: F401
-from .importance import mean_importance
+from .units import mean_importance
 from .ops import taylor_importance
 
 __all__ = ["cuda_available", "mean_importance", "ops", "reference", "taylor_importance"]

@@ -75,7 +75,7 @@ def foreach_importance(params, grads):
 
 def bench_importance(args, device):
     shapes = qwen3_layer_shapes(1 if args.quick else 4)
-    repeats = 3 if args.quick else 10
+    repeats = (3 if args.quick else 10) * (5 if device.type == "cuda" else 1)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         params = [torch.randn(s, device=device, dtype=dtype) for s in shapes]

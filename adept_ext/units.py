@@ -1,4 +1,5 @@
-"""From Taylor-importance sums to means: per tensor, per unit, per probe batch.
+"""Unit importance for ADEPT Stage 2 (SPEC §1.3): from Taylor-importance sums to means per
+tensor, per unit and per probe batch.
 
 ADEPT's unit importance (SPEC §1.3) is I_U = (1/|U|) Σ_{j∈U} I_j with I_j = θ_j·∇_j L, and the
 released code averages |θ⊙g_b| over probe batches b. `taylor_importance` gives the sums;
