@@ -7,9 +7,9 @@ import torch  # noqa: F401  (the compiled library links against torch: import it
 from . import _C  # noqa: F401  (loads the shared object, which registers torch.ops.adept_ext)
 from . import ops, reference  # noqa: F401
 from .units import mean_importance
-from .ops import taylor_importance
+from .ops import linear_cross_entropy, taylor_importance
 
-__all__ = ["cuda_available", "mean_importance", "ops", "reference", "taylor_importance"]
+__all__ = ["cuda_available", "linear_cross_entropy", "mean_importance", "ops", "reference", "taylor_importance"]
 
 
 def cuda_available() -> bool:

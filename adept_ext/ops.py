@@ -80,3 +80,62 @@ def _taylor_importance_fake(params, grads):
 @torch.library.register_fake("adept_ext::taylor_importance_out")
 def _taylor_importance_out_fake(params, grads, out, accumulate):
     return None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Per-row cross-entropy of the logits hidden @ weight.T, without materialising them (SPEC §1.1).
+
+    hidden [N, H] and weight [V, H] (float32, bfloat16 or float16, same dtype and device),
+    targets [N] int64 in [0, V) or ``ignore_index``. Returns float32 [N]:
+    loss_i = logsumexp_v(h_i·w_v) − h_i·w_{t_i}, and 0 at ignored rows. Rows are processed
+    ``chunk_rows`` at a time (default: about 2^23 logits per chunk), so the peak extra memory
+    is O(chunk_rows × V), never O(N × V). The GEMM runs in the inputs' dtype (as
+    ``hidden @ weight.T`` would); the logsumexp is float32. Forward only.
+    Raises ValueError/TypeError on bad shapes, dtypes, devices and out-of-range targets.
+    """
+    name = "linear_cross_entropy"
+    for label, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {label} is a {type(t).__name__}, expected a torch.Tensor")
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(
+            f"{name}: expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: hidden has {hidden.shape[1]} features but weight has {weight.shape[1]}")
+    if targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{name}: {hidden.shape[0]} hidden rows but {targets.shape[0]} targets")
+    if hidden.dtype not in SUPPORTED_DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(f"{name}: hidden and weight must share a dtype of float32/bfloat16/float16; "
+                        f"got {hidden.dtype} and {weight.dtype}")
+    if targets.dtype != torch.int64:
+        raise TypeError(f"{name}: targets must be int64, got {targets.dtype}")
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(f"{name}: hidden, weight and targets must be on one device; got "
+                         f"{hidden.device}, {weight.device}, {targets.device}")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"{name}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    if hidden.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float32, device=hidden.device)
+    if weight.shape[0] == 0:
+        raise ValueError(f"{name}: weight has no rows (vocabulary of size 0)")
+    if not torch.compiler.is_compiling():
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= weight.shape[0]))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{name}: targets[{i}] = {int(targets[i])} is outside [0, {weight.shape[0]}) "
+                             f"and is not ignore_index ({ignore_index})")
+    return torch.ops.adept_ext.linear_cross_entropy.default(
+        hidden.detach(), weight.detach(), targets, ignore_index, chunk_rows or 0)
+
+
+@torch.library.register_fake("adept_ext::linear_cross_entropy")
+def _linear_cross_entropy_fake(hidden, weight, targets, ignore_index, chunk_rows):
+    return hidden.new_empty((hidden.shape[0],), dtype=torch.float32)

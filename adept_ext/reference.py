@@ -18,3 +18,11 @@ def taylor_importance(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
     if not rows:
         return torch.zeros(0, 2, dtype=torch.float64)
     return torch.stack(rows)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """Per-row cross-entropy of hidden @ weight.T against targets (0 at ignored rows), float64 [N]
+    (SPEC §1.1: the loss of every probe variant)."""
+    logits = hidden.detach().double() @ weight.detach().double().T
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")

@@ -18,4 +18,7 @@ TORCH_LIBRARY(adept_ext, m) {
   m.def("taylor_importance(Tensor[] params, Tensor[] grads) -> Tensor");
   // Same sums written into (accumulate=False) or added onto (accumulate=True) out [n, 2] float32.
   m.def("taylor_importance_out(Tensor[] params, Tensor[] grads, Tensor(a!) out, bool accumulate) -> ()");
+  // Per-row cross-entropy of hidden [N, H] @ weight[V, H]^T against targets [N], float32 [N]
+  // (0 at ignore_index rows), computed in row chunks without materialising [N, V] (SPEC §1.1).
+  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, int chunk_rows) -> Tensor");
 }

@@ -1,0 +1,113 @@
+// CUDA kernel of linear_cross_entropy: chunked GEMM (at::mm, cuBLAS), then one block per row
+// computing an online (max, sum-of-exp) logsumexp over the vocabulary in float32 with a
+// deterministic block reduction, minus the target logit.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "../linear_cross_entropy.h"
+
+namespace adept_ext {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+// Merge two (max, sum of exp(x - max)) states.
+__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) return;  // both empty
+  s = s * expf(m - mx) + s2 * expf(m2 - mx);
+  m = mx;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    row_loss_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets, int64_t v,
+                    int64_t ignore_index, float* __restrict__ loss) {
+  const int64_t r = blockIdx.x;
+  const int64_t t = targets[r];
+  if (t == ignore_index) {
+    if (threadIdx.x == 0) loss[r] = 0.f;
+    return;
+  }
+  CUDA_KERNEL_ASSERT(t >= 0 && t < v);
+  const T* row = logits + r * v;
+  float m = -INFINITY, s = 0.f;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+    const float x = to_float(row[j]);
+    if (x == -INFINITY) continue;  // contributes exp(-inf) = 0
+    if (x > m) {
+      s = s * expf(m - x) + 1.f;
+      m = x;
+    } else {
+      s += expf(x - m);
+    }
+  }
+  for (int off = kWarp / 2; off > 0; off /= 2) {
+    merge(m, s, __shfl_down_sync(0xffffffffu, m, off), __shfl_down_sync(0xffffffffu, s, off));
+  }
+  __shared__ float sm[kThreads / kWarp], ss[kThreads / kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kThreads / kWarp ? sm[lane] : -INFINITY;
+    s = lane < kThreads / kWarp ? ss[lane] : 0.f;
+    for (int off = kWarp / 2; off > 0; off /= 2) {
+      merge(m, s, __shfl_down_sync(0xffffffffu, m, off), __shfl_down_sync(0xffffffffu, s, off));
+    }
+    if (lane == 0) loss[r] = m + logf(s) - to_float(row[t]);
+  }
+}
+
+void row_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets, int64_t ignore_index,
+                   const at::Tensor& loss) {
+  const auto logits = logits_in.contiguous();
+  const int64_t rows = logits.size(0), v = logits.size(1);
+  if (rows == 0) return;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto* t = targets.const_data_ptr<int64_t>();
+  float* out = loss.data_ptr<float>();
+  const auto grid = static_cast<unsigned>(rows);
+  switch (logits.scalar_type()) {
+    case at::kFloat:
+      row_loss_kernel<<<grid, kThreads, 0, stream>>>(logits.const_data_ptr<float>(), t, v, ignore_index, out);
+      break;
+    case at::kBFloat16:
+      row_loss_kernel<<<grid, kThreads, 0, stream>>>(
+          reinterpret_cast<const __nv_bfloat16*>(logits.const_data_ptr<at::BFloat16>()), t, v, ignore_index, out);
+      break;
+    case at::kHalf:
+      row_loss_kernel<<<grid, kThreads, 0, stream>>>(
+          reinterpret_cast<const __half*>(logits.const_data_ptr<at::Half>()), t, v, ignore_index, out);
+      break;
+    default: TORCH_CHECK(false, "linear_cross_entropy: unsupported dtype ", logits.scalar_type());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor linear_cross_entropy_cuda(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                                     int64_t ignore_index, int64_t chunk_rows) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_rows, row_loss_cuda);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adept_ext, CUDA, m) { m.impl("linear_cross_entropy", &linear_cross_entropy_cuda); }
+
+}  // namespace adept_ext

@@ -1,0 +1,104 @@
+"""linear_cross_entropy against reference.py (float64 F.cross_entropy of hidden @ weight.T)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adept_ext import reference
+from adept_ext.ops import linear_cross_entropy
+
+
+def make(n, h, v, device, dtype=torch.float32, ignore_every=0):
+    hidden = (torch.randn(n, h, device=device) * 2).to(dtype)
+    weight = (torch.randn(v, h, device=device) / h**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), device=device)
+    if ignore_every:
+        targets[::ignore_every] = -100
+    return hidden, weight, targets
+
+
+def plain_torch(hidden, weight, targets):
+    return F.cross_entropy(hidden @ weight.T, targets, reduction="none").double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,h,v,chunk", [(1, 8, 5, None), (37, 64, 1000, 7), (130, 33, 517, None), (64, 16, 3, 64)])
+def test_matches_reference(device, dtype, n, h, v, chunk):
+    hidden, weight, targets = make(n, h, v, device, dtype, ignore_every=5)
+    got = linear_cross_entropy(hidden, weight, targets, chunk_rows=chunk)
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    exact = reference.linear_cross_entropy(hidden, weight, targets)
+    assert (got[targets == -100] == 0).all()
+    err = (got.double() - exact).abs()
+    err_torch = (plain_torch(hidden, weight, targets) - exact).abs()
+    if dtype == torch.float32:
+        assert err.max() <= 1e-5 * exact.abs().max() + 1e-6
+    else:  # judged against plain PyTorch in the same precision
+        assert err.mean() <= 2 * err_torch.mean() + 1e-4, (err.mean(), err_torch.mean())
+
+
+def test_chunking_does_not_change_the_result(device):
+    hidden, weight, targets = make(100, 32, 300, device)
+    full = linear_cross_entropy(hidden, weight, targets, chunk_rows=1000)
+    for chunk in (1, 3, 64):
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_rows=chunk), full)
+
+
+def test_custom_ignore_index_and_all_ignored(device):
+    hidden, weight, targets = make(10, 8, 20, device)
+    targets[3] = 7
+    targets[4] = 7
+    got = linear_cross_entropy(hidden, weight, targets, ignore_index=7)
+    assert got[3] == 0 and got[4] == 0 and (got[targets != 7] > 0).all()
+    assert (linear_cross_entropy(hidden, weight, torch.full_like(targets, -100)) == 0).all()
+
+
+def test_empty_rows(device):
+    hidden, weight, _ = make(0, 8, 20, device)
+    assert linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long, device=device)).shape == (0,)
+
+
+def test_large_logits_are_stable(device):
+    hidden, weight, targets = make(16, 8, 50, device)
+    hidden = hidden * 1000
+    got = linear_cross_entropy(hidden, weight, targets)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), reference.linear_cross_entropy(hidden, weight, targets), rtol=1e-5, atol=1e-2)
+
+
+def test_opcheck(device):
+    hidden, weight, targets = make(9, 8, 20, device, ignore_every=4)
+    torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy.default, (hidden, weight, targets, -100, 4))
+
+
+def test_torch_compile_fullgraph(device):
+    hidden, weight, targets = make(12, 8, 20, device)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def mean_loss(h, w, t):
+        return linear_cross_entropy(h, w, t, chunk_rows=5).mean()
+
+    torch.testing.assert_close(mean_loss(hidden, weight, targets).double(),
+                               reference.linear_cross_entropy(hidden, weight, targets).mean(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    (lambda h, w, t: (h[0], w, t), ValueError, "expected hidden"),
+    (lambda h, w, t: (h, w[:, :3], t), ValueError, "features"),
+    (lambda h, w, t: (h, w, t[:2]), ValueError, "targets"),
+    (lambda h, w, t: (h, w.double(), t), TypeError, "dtype"),
+    (lambda h, w, t: (h.double(), w.double(), t), TypeError, "dtype"),
+    (lambda h, w, t: (h, w, t.int()), TypeError, "int64"),
+    (lambda h, w, t: (h, w.to("meta"), t), ValueError, "one device"),
+    (lambda h, w, t: (h, w, t.clone().fill_(20)), ValueError, r"targets\[0\] = 20 is outside \[0, 20\)"),
+    (lambda h, w, t: (h, w, t.clone().fill_(-3)), ValueError, "outside"),
+])
+def test_errors(args, exc, match):
+    hidden, weight, targets = make(4, 8, 20, "cpu")
+    with pytest.raises(exc, match=match):
+        linear_cross_entropy(*args(hidden, weight, targets))
+
+
+def test_error_chunk_rows():
+    hidden, weight, targets = make(4, 8, 20, "cpu")
+    with pytest.raises(ValueError, match="chunk_rows"):
+        linear_cross_entropy(hidden, weight, targets, chunk_rows=0)
