@@ -26,3 +26,29 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     (SPEC §1.1: the loss of every probe variant)."""
     logits = hidden.detach().double() @ weight.detach().double().T
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+
+
+@torch.no_grad()
+def bypass_layer_losses(model, batches):
+    """Naive definition of ADEPT's probe (SPEC §1.1): L+1 full forwards of the HF model with
+    labels, one layer bypassed at a time by a forward hook that returns the layer's input.
+    Returns (base loss, [loss with layer l bypassed]), each token-weighted over the batches."""
+    layers = model.model.layers
+
+    def mean_loss(skip):
+        hook = None
+        if skip is not None:
+            hook = layers[skip].register_forward_hook(
+                lambda m, args, kwargs, out: args[0] if args else kwargs["hidden_states"], with_kwargs=True)
+        try:
+            total, count = 0.0, 0
+            for batch in batches:
+                n = int((batch["labels"][:, 1:] != -100).sum())
+                total += float(model(**batch, use_cache=False).loss.double()) * n
+                count += n
+            return total / count
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    return mean_loss(None), [mean_loss(l) for l in range(len(layers))]

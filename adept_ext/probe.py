@@ -1,0 +1,225 @@
+"""ADEPT Stage 1: layer importance on a general-domain probe corpus (SPEC §1.1).
+
+I_layer(l) = L̂(l) − L_base, the increase of the mean next-token loss when layer l is bypassed
+(h_{l+1} = h_l). `method="bypass"` computes it exactly for all layers at once: the variant
+"bypass l" shares h_0..h_l with the base run, so the L variants take L(L+1)/2 layer calls
+(the streams alive at each depth are batched into one call), and every variant's loss comes
+from the fused `linear_cross_entropy` op, so the L×T×V logits are never stored. Cheap
+estimates with the same interface: `block_influence` (ShortGPT: 1 − cos(h_l, h_{l+1})) and
+`taylor` (first order: −⟨f_l(h_l), ∂L/∂h_{l+1}⟩). Weights and .grad are never modified.
+"""
+import json
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from .models import adapter
+from .ops import linear_cross_entropy
+
+METHODS = ("bypass", "block_influence", "taylor")
+
+
+@dataclass
+class LayerScores:
+    """Per-layer scores; for `bypass` the raw Δloss (higher = more critical to general ability)."""
+
+    method: str
+    scores: List[float]
+    tokens: int
+    base_loss: Optional[float] = None
+    variant_losses: Optional[List[float]] = None
+    extra: Dict = field(default_factory=dict)
+
+    def select(self, k: int) -> List[int]:
+        """The k least important layers (lowest scores; ties by index), ascending."""
+        if not isinstance(k, int) or k < 0 or k > len(self.scores):
+            raise ValueError(f"k must be an int in [0, {len(self.scores)}], got {k!r}")
+        return sorted(sorted(range(len(self.scores)), key=lambda i: (self.scores[i], i))[:k])
+
+    def to_json(self, path=None) -> str:
+        text = json.dumps(asdict(self), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def plot(self, path, title: Optional[str] = None, highlight: Iterable[int] = ()):
+        """Bar chart of the scores as a PNG; `highlight` (e.g. the selected layers) in orange."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        chosen = set(highlight)
+        fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(self.scores) + 2), 3.5))
+        colors = ["tab:orange" if i in chosen else "tab:blue" for i in range(len(self.scores))]
+        ax.bar(range(len(self.scores)), self.scores, color=colors)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("Δ loss when bypassed" if self.method == "bypass" else f"{self.method} score")
+        ax.set_title(title or f"layer importance ({self.method}, {self.tokens} tokens)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _shifted_targets(batch) -> torch.Tensor:
+    """Next-token targets [B, T]: labels shifted left by one, -100 at the last position."""
+    labels = batch.get("labels")
+    if labels is None:
+        labels = batch["input_ids"].masked_fill(batch.get("attention_mask", 1) == 0, -100)
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def _repeat_batch(value, batch_size: int, times: int):
+    """Repeat every tensor (also inside tuples) whose first dimension is the batch."""
+    if isinstance(value, torch.Tensor):
+        return value.repeat(times, *[1] * (value.dim() - 1)) if value.dim() and value.shape[0] == batch_size > 1 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_repeat_batch(v, batch_size, times) for v in value)
+    if isinstance(value, dict):
+        return {k: _repeat_batch(v, batch_size, times) for k, v in value.items()}
+    return value
+
+
+@contextmanager
+def _capture_layer_inputs(layers):
+    """Records (hidden_states, other kwargs) of every decoder-layer call, in order."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        calls.append((hidden, args[1:], rest))
+
+    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _device_batch(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def _bypass_sums(ad, batch, chunk_rows):
+    """Loss sums of the base model and of each bypass variant on one batch: float64 [L+1]."""
+    layers = ad.layers
+    with _capture_layer_inputs(layers) as calls:
+        base_out = ad.decoder(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                              use_cache=False).last_hidden_state
+    b = batch["input_ids"].shape[0]
+    streams = None  # variants bypass-0 .. bypass-(d-1), stacked along the batch dimension
+    for d, layer in enumerate(layers):
+        hidden, args, kwargs = calls[d]
+        if streams is not None:
+            s = streams.shape[0] // b
+            streams = layer(streams, *_repeat_batch(args, b, s), **_repeat_batch(kwargs, b, s))
+            streams = torch.cat([streams, hidden])
+        else:
+            streams = hidden
+    finals = torch.cat([base_out, ad.final_norm(streams)])  # [(L+1)·B, T, H]
+    targets = _shifted_targets(batch).reshape(-1)
+    valid = (targets != -100).nonzero().squeeze(1)
+    h = finals.reshape(len(layers) + 1, -1, finals.shape[-1])[:, valid]  # [(L+1), n_valid, H]
+    loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), ad.lm_head.weight, targets[valid].repeat(len(layers) + 1),
+                                chunk_rows=chunk_rows)
+    return loss.view(len(layers) + 1, -1).double().sum(1), valid.numel()
+
+
+@torch.no_grad()
+def _block_influence_sums(ad, batch, chunk_rows):
+    """Σ over scored tokens of 1 − cos(h_l, h_{l+1}) per layer: float64 [L]."""
+    outputs = []
+    handles = [layer.register_forward_hook(lambda m, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
+               for layer in ad.layers]
+    try:
+        with _capture_layer_inputs(ad.layers) as calls:
+            ad.decoder(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    scored = _shifted_targets(batch) != -100
+    sums = [(1 - torch.nn.functional.cosine_similarity(calls[l][0], outputs[l], dim=-1))[scored].double().sum()
+            for l in range(len(ad.layers))]
+    return torch.stack(sums), int(scored.sum())
+
+
+def _taylor_sums(ad, batch, chunk_rows):
+    """First-order bypass effect per layer, Σ over scored tokens of −⟨f_l(h_l), ∂ℓ/∂h_{l+1}⟩: float64 [L]."""
+    ins, outs = [], []
+
+    def record(module, args, kwargs, out):
+        ins.append(args[0] if args else kwargs["hidden_states"])
+        outs.append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [layer.register_forward_hook(record, with_kwargs=True) for layer in ad.layers]
+    try:
+        with torch.enable_grad():
+            embeds = ad.embed_tokens(batch["input_ids"]).detach().requires_grad_(True)
+            hidden = ad.decoder(inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
+                                use_cache=False).last_hidden_state
+            targets = _shifted_targets(batch).reshape(-1)
+            logits = ad.lm_head(hidden).reshape(-1, ad.lm_head.weight.shape[0]).float()
+            loss_sum = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+            grads = torch.autograd.grad(loss_sum, outs)
+    finally:
+        for h in handles:
+            h.remove()
+    sums = [-((o - i).detach().double() * g.double()).sum() for i, o, g in zip(ins, outs, grads)]
+    return torch.stack(sums), int((targets != -100).sum())
+
+
+def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: str = "bypass",
+                     chunk_rows: Optional[int] = None, progress: bool = True) -> LayerScores:
+    """Score every decoder layer of `model` on probe `batches` (dicts with input_ids and optionally
+    attention_mask and labels; -100 labels are not scored).
+
+    bypass: exact Δloss per layer (SPEC §1.1); block_influence: mean 1 − cos(h_l, h_{l+1});
+    taylor: first-order estimate of the Δloss. Under an initialised torch.distributed process
+    group each rank probes batches[rank::world_size] and the sums are all-reduced, so every rank
+    returns the same scores. Raises ValueError for an unknown method, an unsupported model or
+    probe data with no token to score. The model is left exactly as it was (weights, .grad and
+    train/eval mode).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    ad = adapter(model)
+    batches = list(batches)
+    if not batches:
+        raise ValueError("probe data is empty: no batches")
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        batches = batches[dist.get_rank()::dist.get_world_size()]
+    device = ad.lm_head.weight.device
+    per_batch = {"bypass": _bypass_sums, "block_influence": _block_influence_sums, "taylor": _taylor_sums}[method]
+    was_training = model.training
+    model.eval()
+    n_out = ad.num_layers + 1 if method == "bypass" else ad.num_layers
+    sums = torch.zeros(n_out, dtype=torch.float64, device=device)
+    tokens = torch.zeros((), dtype=torch.float64, device=device)
+    try:
+        for batch in tqdm(batches, desc=f"probing layers ({method})", disable=not progress):
+            s, n = per_batch(ad, _device_batch(batch, device), chunk_rows)
+            sums += s
+            tokens += n
+    finally:
+        model.train(was_training)
+    if distributed:
+        packed = torch.cat([sums, tokens.view(1)])
+        dist.all_reduce(packed)
+        sums, tokens = packed[:-1], packed[-1]
+    total = int(tokens.item())
+    if total == 0:
+        raise ValueError("probe data has no token to score (all labels are -100 or blocks are too short)")
+    means = (sums / total).tolist()
+    if method == "bypass":
+        base, variants = means[0], means[1:]
+        return LayerScores(method, [v - base for v in variants], total, base_loss=base, variant_losses=variants)
+    return LayerScores(method, means, total)

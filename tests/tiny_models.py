@@ -1,0 +1,47 @@
+"""Tiny real Hugging Face models of every supported architecture (random weights, no downloads)."""
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_config(arch, layers=4, vocab=97, tie=False):
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  initializer_range=0.2, tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=6)
+    if arch == "qwen2":  # q/k/v biases; sliding window on layers >= max_window_layers
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    if arch == "qwen3":  # q_norm/k_norm; alternating layer types
+        types = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(layers)]
+        return Qwen3Config(**common, head_dim=8, use_sliding_window=True, sliding_window=6, layer_types=types)
+    raise ValueError(arch)
+
+
+def tiny_model(arch, layers=4, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers, **kw), attn_implementation="sdpa")
+    with torch.no_grad():  # make every bypass matter: randomise norms and biases too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def padded_batches(vocab=97, n_batches=2, batch=3, seq=12, seed=1):
+    """Batches with right padding of different lengths (labels -100 at padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        ids = torch.randint(2, vocab, (batch, seq), generator=gen)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        for b in range(1, batch):
+            mask[b, seq - 2 * b:] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
