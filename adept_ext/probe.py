@@ -11,6 +11,7 @@ estimates with the same interface: `block_influence` (ShortGPT: 1 − cos(h_l, h
 import json
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -108,33 +109,67 @@ def _device_batch(batch, device):
 
 
 @torch.no_grad()
-def _bypass_sums(ad, batch, chunk_rows):
-    """Loss sums of the base model and of each bypass variant on one batch: float64 [L+1]."""
+def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call):
+    """Loss sums of the base model and of each bypass variant on one batch: float64 [L+1].
+
+    buf[v] holds the residual stream of variant "bypass v". The base model runs once; when it
+    reaches layer d (a forward pre-hook, which also gives that layer's exact mask and rotary
+    arguments), the variants 0..d-1 go through layer d together, in groups of at most
+    `max_tokens_per_call` tokens, and variant d starts as h_{d+1} = h_d.
+    """
     layers = ad.layers
-    with _capture_layer_inputs(layers) as calls:
+    n_layers = len(layers)
+    b, t = batch["input_ids"].shape
+    group = max(1, max_tokens_per_call // (b * t))
+    buf = None
+    inside = False
+
+    def advance_variants(d, layer, args, kwargs):
+        nonlocal buf, inside
+        if inside:  # our own call of the layer below
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        rest_args, rest = args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        if buf is None:
+            buf = hidden.new_empty((n_layers, *hidden.shape))
+        inside = True
+        try:
+            for g0 in range(0, d, group):
+                g = min(group, d - g0)
+                out = layer(buf[g0:g0 + g].flatten(0, 1), *_repeat_batch(rest_args, b, g), **_repeat_batch(rest, b, g))
+                buf[g0:g0 + g] = out.view(g, *hidden.shape)
+        finally:
+            inside = False
+        buf[d] = hidden
+        return None
+
+    handles = [layer.register_forward_pre_hook(partial(advance_variants, d), with_kwargs=True)
+               for d, layer in enumerate(layers)]
+    try:
         base_out = ad.decoder(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                               use_cache=False).last_hidden_state
-    b = batch["input_ids"].shape[0]
-    streams = None  # variants bypass-0 .. bypass-(d-1), stacked along the batch dimension
-    for d, layer in enumerate(layers):
-        hidden, args, kwargs = calls[d]
-        if streams is not None:
-            s = streams.shape[0] // b
-            streams = layer(streams, *_repeat_batch(args, b, s), **_repeat_batch(kwargs, b, s))
-            streams = torch.cat([streams, hidden])
-        else:
-            streams = hidden
-    finals = torch.cat([base_out, ad.final_norm(streams)])  # [(L+1)·B, T, H]
+    finally:
+        for handle in handles:
+            handle.remove()
+    h = base_out.shape[-1]
+
     targets = _shifted_targets(batch).reshape(-1)
     valid = (targets != -100).nonzero().squeeze(1)
-    h = finals.reshape(len(layers) + 1, -1, finals.shape[-1])[:, valid]  # [(L+1), n_valid, H]
-    loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), ad.lm_head.weight, targets[valid].repeat(len(layers) + 1),
-                                chunk_rows=chunk_rows)
-    return loss.view(len(layers) + 1, -1).double().sum(1), valid.numel()
+    weight = ad.lm_head.weight
+
+    def loss_sums(final_hidden):  # [g, B, T, H] after the final norm -> [g]
+        g = final_hidden.shape[0]
+        rows = final_hidden.reshape(g, b * t, h)[:, valid].reshape(-1, h)
+        return linear_cross_entropy(rows, weight, targets[valid].repeat(g), chunk_rows=chunk_rows).view(g, -1).double().sum(1)
+
+    sums = [loss_sums(base_out[None])]
+    for g0 in range(0, n_layers, group):
+        sums.append(loss_sums(ad.final_norm(buf[g0:g0 + group])))
+    return torch.cat(sums), valid.numel()
 
 
 @torch.no_grad()
-def _block_influence_sums(ad, batch, chunk_rows):
+def _block_influence_sums(ad, batch, chunk_rows, max_tokens_per_call):
     """Σ over scored tokens of 1 − cos(h_l, h_{l+1}) per layer: float64 [L]."""
     outputs = []
     handles = [layer.register_forward_hook(lambda m, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
@@ -151,7 +186,7 @@ def _block_influence_sums(ad, batch, chunk_rows):
     return torch.stack(sums), int(scored.sum())
 
 
-def _taylor_sums(ad, batch, chunk_rows):
+def _taylor_sums(ad, batch, chunk_rows, max_tokens_per_call):
     """First-order bypass effect per layer, Σ over scored tokens of −⟨f_l(h_l), ∂ℓ/∂h_{l+1}⟩: float64 [L]."""
     ins, outs = [], []
 
@@ -177,12 +212,15 @@ def _taylor_sums(ad, batch, chunk_rows):
 
 
 def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: str = "bypass",
-                     chunk_rows: Optional[int] = None, progress: bool = True) -> LayerScores:
+                     chunk_rows: Optional[int] = None, max_tokens_per_call: int = 4096,
+                     progress: bool = True) -> LayerScores:
     """Score every decoder layer of `model` on probe `batches` (dicts with input_ids and optionally
     attention_mask and labels; -100 labels are not scored).
 
     bypass: exact Δloss per layer (SPEC §1.1); block_influence: mean 1 − cos(h_l, h_{l+1});
-    taylor: first-order estimate of the Δloss. Under an initialised torch.distributed process
+    taylor: first-order estimate of the Δloss. `max_tokens_per_call` bounds the tokens of the
+    variant streams that go through one layer call together (memory vs. batching: at least
+    one batch's worth); `chunk_rows` is passed to `linear_cross_entropy`. Under an initialised torch.distributed process
     group each rank probes batches[rank::world_size] and the sums are all-reduced, so every rank
     returns the same scores. Raises ValueError for an unknown method, an unsupported model or
     probe data with no token to score. The model is left exactly as it was (weights, .grad and
@@ -190,6 +228,8 @@ def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: 
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    if not isinstance(max_tokens_per_call, int) or max_tokens_per_call < 1:
+        raise ValueError(f"max_tokens_per_call must be a positive int, got {max_tokens_per_call!r}")
     ad = adapter(model)
     batches = list(batches)
     if not batches:
@@ -206,7 +246,7 @@ def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: 
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     try:
         for batch in tqdm(batches, desc=f"probing layers ({method})", disable=not progress):
-            s, n = per_batch(ad, _device_batch(batch, device), chunk_rows)
+            s, n = per_batch(ad, _device_batch(batch, device), chunk_rows, max_tokens_per_call)
             sums += s
             tokens += n
     finally:

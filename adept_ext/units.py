@@ -1,13 +1,61 @@
-"""Unit importance for ADEPT Stage 2 (SPEC §1.3): from Taylor-importance sums to means per
-tensor, per unit and per probe batch.
+"""ADEPT Stage 2 units and their importance (SPEC §1.3).
 
-ADEPT's unit importance (SPEC §1.3) is I_U = (1/|U|) Σ_{j∈U} I_j with I_j = θ_j·∇_j L, and the
-released code averages |θ⊙g_b| over probe batches b. `taylor_importance` gives the sums;
-this module divides them by element counts and batch counts.
+Units are the parameter tensors of the expanded layers (q/k/v/o projections and biases,
+gate/up/down projections, input/post-attention norms, q_norm/k_norm). A unit's importance is
+the mean first-order Taylor score over its elements, I_U = (1/|U|) Σ_{j∈U} θ_j·∇_j L, on probe
+batches: `abs` (default, as the released code: mean over batches of |θ⊙g_b|) or `signed`
+(the paper's form). Scores are normalised to Î ∈ [0, 1] per unit kind (attention, mlp, norm)
+by default, since norm vectors (|θ|≈1) would otherwise dominate the matrices.
 """
-from typing import Optional, Sequence
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+
+from .models import adapter
+from .ops import taylor_importance
+
+MODES = ("abs", "signed")
+NORMALIZATIONS = ("per_kind", "global", "rank")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One parameter tensor of an expanded layer."""
+
+    name: str          # the parameter's name in the model
+    layer: int         # index of the copy in the expanded model
+    source_layer: int  # index of the layer it was copied from
+    kind: str          # "attention", "mlp" or "norm"
+    source_name: str   # name of the same tensor in the source layer
+
+
+def _kind(local_name: str) -> str:
+    if "norm" in local_name:
+        return "norm"
+    if local_name.startswith("self_attn."):
+        return "attention"
+    if local_name.startswith("mlp."):
+        return "mlp"
+    raise ValueError(f"cannot classify parameter {local_name!r} as attention, mlp or norm")
+
+
+def partition(model) -> List[Unit]:
+    """The units of the expanded layers recorded in `config.adept`, one per parameter tensor.
+    Raises ValueError for a model with no expanded layers."""
+    ad = adapter(model)
+    info = getattr(ad.config, "adept", None) or {}
+    expanded, sources = info.get("expanded_layers", []), info.get("source_layers", [])
+    if not expanded:
+        raise ValueError("the model has no expanded layers (config.adept is missing or empty): run expand_layers first")
+    prefix = next(name for name, module in model.named_modules() if module is ad.layers)
+    units = []
+    for layer, source in zip(expanded, sources):
+        for local, _ in ad.layers[layer].named_parameters():
+            units.append(Unit(f"{prefix}.{layer}.{local}", layer, source, _kind(local), f"{prefix}.{source}.{local}"))
+    return units
 
 
 def mean_importance(
@@ -49,3 +97,93 @@ def mean_importance(
     totals.index_add_(0, index, sums.double())
     denom = torch.as_tensor(counts, dtype=torch.float64, device=sums.device) * num_batches
     return (totals / denom[:, None]).float()
+
+
+def normalize_scores(scores: Sequence[float], kinds: Sequence[str], normalize: str = "per_kind") -> List[float]:
+    """Î ∈ [0, 1]: min–max within each kind (`per_kind`), across all units (`global`), or
+    rank/(n−1) within each kind (`rank`, whose mean is exactly 0.5). A group whose scores are
+    all equal gets Î = 0.5."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    groups: Dict[str, List[int]] = {}
+    for i, k in enumerate(kinds):
+        groups.setdefault("all" if normalize == "global" else k, []).append(i)
+    out = [0.5] * len(scores)
+    for idx in groups.values():
+        vals = [scores[i] for i in idx]
+        if normalize == "rank":
+            order = sorted(range(len(idx)), key=lambda j: (vals[j], j))
+            for r, j in enumerate(order):
+                out[idx[j]] = r / (len(idx) - 1) if len(idx) > 1 else 0.5
+            continue
+        lo, hi = min(vals), max(vals)
+        for i, v in zip(idx, vals):
+            out[i] = (v - lo) / (hi - lo) if hi > lo else 0.5
+    return out
+
+
+class UnitImportance:
+    """Taylor importance of the units of an expanded model on fixed probe batches (SPEC §1.3).
+
+    `compute()` runs forward/backward on every probe batch with `torch.autograd.grad` (the
+    training `.grad` fields and the weights are untouched), accumulates the per-tensor θ⊙g sums
+    on the device with the fused `taylor_importance` op and synchronises with the host once.
+    `compute(use_source=True)` scores the source layers' tensors instead: the fresh copies
+    score exactly 0 (θ = 0 in o_proj/down_proj, ∇ = 0 upstream of them), so that is what ADEPT
+    uses before the first recompute. Under an initialised process group the sums and token
+    counts are all-reduced before normalising, so every rank gets the same scores.
+    """
+
+    def __init__(self, model, probe_batches, mode: str = "abs", normalize: str = "per_kind"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+        self.model = model
+        self.units = partition(model)
+        self.probe_batches = list(probe_batches)
+        if not self.probe_batches:
+            raise ValueError("probe data is empty: no batches")
+        self.mode, self.normalize = mode, normalize
+        self._params = dict(model.named_parameters())
+
+    def raw_scores(self, use_source: bool = False) -> List[float]:
+        """Mean θ·g (signed or absolute) per unit, averaged over the probe batches."""
+        names = [u.source_name if use_source else u.name for u in self.units]
+        params = [self._params[n] for n in names]
+        device = params[0].device
+        sums = torch.zeros(len(params), 2, dtype=torch.float32, device=device)
+        batches = self.probe_batches
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
+            batches = batches[dist.get_rank()::dist.get_world_size()]
+        flags = [p.requires_grad for p in params]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for p in params:
+                p.requires_grad_(True)  # frozen sources need a gradient too; restored below
+            for batch in batches:
+                batch = {k: v.to(device) for k, v in batch.items()}
+                loss = self.model(**batch, use_cache=False).loss
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+                taylor_importance(params, grads, out=sums, accumulate=True)
+        finally:
+            for p, f in zip(params, flags):
+                p.requires_grad_(f)
+            self.model.train(was_training)
+        count = torch.tensor([float(len(batches))], dtype=torch.float32, device=device)
+        if distributed:
+            dist.all_reduce(sums)
+            dist.all_reduce(count)
+        means = mean_importance(sums, [p.numel() for p in params], num_batches=max(1, int(count.item())))
+        column = means[:, 1 if self.mode == "abs" else 0].tolist()  # the one host sync
+        bad = [n for n, v in zip(names, column) if not math.isfinite(v)]
+        if bad:
+            raise FloatingPointError(f"non-finite gradient or weight in unit {bad[0]} (and {len(bad) - 1} more)")
+        return column
+
+    def compute(self, use_source: bool = False) -> List[float]:
+        """Normalised importance Î ∈ [0, 1] per unit (order of `self.units`)."""
+        return normalize_scores(self.raw_scores(use_source), [u.kind for u in self.units], self.normalize)

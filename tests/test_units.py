@@ -1,7 +1,16 @@
 import pytest
 import torch
 
-from adept_ext import mean_importance, reference, taylor_importance
+from adept_ext import reference, taylor_importance
+from adept_ext.expand import expand_layers
+from adept_ext.units import UnitImportance, mean_importance, normalize_scores, partition
+from tiny_models import padded_batches, tiny_model
+
+
+def expanded(arch="qwen3", layers=4, copies=(0, 2)):
+    model = tiny_model(arch, layers=layers)
+    expand_layers(model, list(copies))
+    return model
 
 
 def test_per_tensor_and_per_unit_means_over_batches():
@@ -32,3 +41,92 @@ def test_per_tensor_and_per_unit_means_over_batches():
 def test_mean_importance_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mean_importance(torch.zeros(2, 2), **kwargs)
+
+
+def test_partition_qwen3_and_qwen2():
+    units = partition(expanded("qwen3"))
+    kinds = {u.name.split(".", 3)[3]: u.kind for u in units if u.layer == 1}
+    assert kinds["self_attn.q_norm.weight"] == "norm" and kinds["self_attn.k_norm.weight"] == "norm"
+    assert kinds["self_attn.o_proj.weight"] == "attention" and kinds["mlp.down_proj.weight"] == "mlp"
+    assert kinds["input_layernorm.weight"] == "norm" and len(kinds) == 11
+    assert {(u.layer, u.source_layer) for u in units} == {(1, 0), (4, 3)}
+    assert all(u.source_name.replace(f".{u.source_layer}.", f".{u.layer}.", 1) == u.name for u in units)
+    qwen2 = partition(expanded("qwen2"))
+    assert sum(1 for u in qwen2 if u.layer == 1 and u.name.endswith("bias")) == 3  # q/k/v biases
+
+
+def test_partition_needs_expanded_layers():
+    with pytest.raises(ValueError, match="no expanded layers"):
+        partition(tiny_model("llama"))
+
+
+def naive_unit_scores(model, batches, names, mode):
+    """Plain PyTorch: per-unit mean over batches of mean(|θ⊙g_b|) (or signed)."""
+    params = dict(model.named_parameters())
+    flags = {n: params[n].requires_grad for n in names}
+    for n in names:
+        params[n].requires_grad_(True)
+    totals = torch.zeros(len(names), dtype=torch.float64)
+    for batch in batches:
+        grads = torch.autograd.grad(model(**batch).loss, [params[n] for n in names])
+        for i, (n, g) in enumerate(zip(names, grads)):
+            x = params[n].detach().double() * g.double()
+            totals[i] += (x.abs() if mode == "abs" else x).mean()
+    for n, f in flags.items():
+        params[n].requires_grad_(f)
+    return (totals / len(batches)).tolist()
+
+
+@pytest.mark.parametrize("mode", ["abs", "signed"])
+def test_scores_match_naive_and_leave_grads_untouched(mode):
+    model = expanded()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.full_like(p, 7.0)
+    batches = padded_batches()
+    imp = UnitImportance(model, batches, mode=mode)
+    got = imp.raw_scores()
+    want = naive_unit_scores(model, batches, [u.name for u in imp.units], mode)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-9)
+    assert all((p.grad == 7).all() for p in model.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_fresh_copies_score_zero_so_sources_are_used():
+    model = expanded()
+    imp = UnitImportance(model, padded_batches())
+    fresh = imp.raw_scores()
+    by_name = dict(zip([u.name for u in imp.units], fresh))
+    assert all(v == 0 for n, v in by_name.items() if "o_proj" in n or "down_proj" in n)
+    source = imp.raw_scores(use_source=True)
+    assert all(v > 0 for v in source)
+    frozen = [p.requires_grad for p in model.parameters()]
+    imp.compute(use_source=True)
+    assert [p.requires_grad for p in model.parameters()] == frozen
+
+
+def test_normalizations():
+    scores, kinds = [1.0, 3.0, 2.0, 10.0, 20.0], ["mlp", "mlp", "mlp", "norm", "norm"]
+    assert normalize_scores(scores, kinds, "per_kind") == [0.0, 1.0, 0.5, 0.0, 1.0]
+    assert normalize_scores(scores, kinds, "global") == pytest.approx([0, 2 / 19, 1 / 19, 9 / 19, 1])
+    assert normalize_scores(scores, kinds, "rank") == [0.0, 1.0, 0.5, 0.0, 1.0]
+    assert normalize_scores([5.0, 5.0], ["mlp", "mlp"]) == [0.5, 0.5]
+    with pytest.raises(ValueError, match="normalize"):
+        normalize_scores(scores, kinds, "zscore")
+
+
+def test_non_finite_gradient_names_the_unit():
+    model = expanded()
+    imp = UnitImportance(model, padded_batches())
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        imp.raw_scores()
+
+
+def test_bad_arguments():
+    model = expanded()
+    with pytest.raises(ValueError, match="mode"):
+        UnitImportance(model, padded_batches(), mode="square")
+    with pytest.raises(ValueError, match="probe data is empty"):
+        UnitImportance(model, [])

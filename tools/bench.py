@@ -6,6 +6,7 @@ measured in one run on the same data. Medians over repeats, after warm-up.
 """
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -116,7 +117,115 @@ def bench_importance(args, device):
     return results
 
 
-BENCHMARKS = {"importance": bench_importance}
+# ---------------------------------------------------------------- probe
+def peak_rss_mb(fn, *args):
+    """Run fn(*args) in a fresh process; its peak resident memory above the level before the call, in MB."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_peak_rss_child, args=(queue, fn, args))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if isinstance(result, str):
+        raise RuntimeError(result)
+    return result
+
+
+def _read_status_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak_rss_child(queue, fn, args):
+    try:
+        setup = fn(*args, setup_only=True)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+        base = _read_status_kb("VmRSS")
+        fn(*args, state=setup)
+        queue.put((_read_status_kb("VmHWM") - base) / 1024)
+    except Exception as e:  # reported to the parent, which raises
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def peak_cuda_mb(fn, device):
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def probe_setup(n_blocks, device):
+    from adept_ext import data
+    from adept_ext.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", device=device)
+    blocks = data.token_blocks(data.load_texts("bbc-news")[:400], tokenizer, block_len=128)
+    blocks = {k: v[:n_blocks] for k, v in blocks.items()}
+    with torch.no_grad():  # touch the (memory-mapped) weights so that they count as the baseline
+        model(input_ids=blocks["input_ids"][:1, :8])
+    return model, data.batches(blocks, n_blocks)
+
+
+def run_probe_method(method, n_blocks, device, setup_only=False, state=None):
+    """One probe run on SmolLM2 (used in-process for timing and in a child for peak memory)."""
+    from adept_ext.probe import layer_importance
+
+    model, batches = state or probe_setup(n_blocks, torch.device(device))
+    if setup_only:
+        return model, batches
+    if method == "naive":
+        return reference.bypass_layer_losses(model, batches)
+    return layer_importance(model, batches, method=method, progress=False)
+
+
+def spearman(a, b):
+    ra = torch.tensor(a).argsort().argsort().double()
+    rb = torch.tensor(b).argsort().argsort().double()
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def bench_probe(args, device):
+    n_blocks = 2 if args.quick else 8
+    repeats = 1 if args.quick else 2
+    state = probe_setup(n_blocks, device)
+    results = {"blocks": n_blocks, "block_len": 128, "layers": state[0].config.num_hidden_layers}
+    base, naive_losses = run_probe_method("naive", n_blocks, device, state=state)
+    exact = run_probe_method("bypass", n_blocks, device, state=state)
+    naive_scores = [v - base for v in naive_losses]
+    results["max_rel_diff_variant_losses"] = max(abs(a - b) / abs(b) for a, b in zip(exact.variant_losses, naive_losses))
+    results["max_abs_diff_scores"] = max(abs(a - b) for a, b in zip(exact.scores, naive_scores))
+    results["naive_s"] = median_time(lambda: run_probe_method("naive", n_blocks, device, state=state), device, repeats, 0)
+    results["fused_s"] = median_time(lambda: run_probe_method("bypass", n_blocks, device, state=state), device, repeats, 0)
+    results["speedup_vs_naive"] = results["naive_s"] / results["fused_s"]
+    for method in ("block_influence", "taylor"):
+        t = median_time(lambda: run_probe_method(method, n_blocks, device, state=state), device, repeats, 0)
+        cheap = run_probe_method(method, n_blocks, device, state=state)
+        results[f"{method}_s"] = t
+        results[f"{method}_spearman"] = spearman(cheap.scores, exact.scores)
+    if device.type == "cuda":
+        results["peak_mem_naive_mb"] = peak_cuda_mb(lambda: run_probe_method("naive", n_blocks, device, state=state), device)
+        results["peak_mem_fused_mb"] = peak_cuda_mb(lambda: run_probe_method("bypass", n_blocks, device, state=state), device)
+    else:
+        results["peak_mem_naive_mb"] = peak_rss_mb(run_probe_method, "naive", n_blocks, "cpu")
+        results["peak_mem_fused_mb"] = peak_rss_mb(run_probe_method, "bypass", n_blocks, "cpu")
+    results["scores"] = exact.scores
+    results["least_important"] = exact.select(4)
+    print(f"\nlayer probing on SmolLM2-135M ({results['layers']} layers), {n_blocks} blocks x 128 BBC News tokens, device {device}")
+    print(f"naive (L+1 HF forwards): {results['naive_s']:.2f} s, peak +{results['peak_mem_naive_mb']:.0f} MB")
+    print(f"adept_ext bypass:        {results['fused_s']:.2f} s, peak +{results['peak_mem_fused_mb']:.0f} MB  "
+          f"-> speedup {results['speedup_vs_naive']:.2f}x")
+    print(f"max rel. diff of variant losses {results['max_rel_diff_variant_losses']:.2e}, "
+          f"max abs diff of scores {results['max_abs_diff_scores']:.2e}")
+    for method in ("block_influence", "taylor"):
+        print(f"{method:16} {results[method + '_s']:.2f} s, Spearman vs exact {results[method + '_spearman']:.3f}")
+    print(f"4 least important layers: {results['least_important']}")
+    return results
+
+
+BENCHMARKS = {"importance": bench_importance, "probe": bench_probe}
 
 
 def main(argv=None):

@@ -1,0 +1,36 @@
+"""transformers.Trainer integration of ADEPT's decoupled learning rates (SPEC §1.3)."""
+from transformers import TrainerCallback
+
+from .lr import DecoupledLR
+from .units import UnitImportance
+
+
+class ADEPTCallback(TrainerCallback):
+    """Attaches `DecoupledLR` to the Trainer's optimizer when training starts, recomputes the
+    unit importance every `every` optimizer steps, and logs the per-unit rates.
+
+    The optimizer must have one param group per unit: pass
+    ``optimizers=(torch.optim.AdamW(adept_ext.lr.param_groups(model, lr)), None)`` to the
+    Trainer (it then builds its own scheduler on top, which composes with the multipliers).
+    """
+
+    def __init__(self, probe_batches, every: int = 100, mode: str = "abs", normalize: str = "per_kind",
+                 floor: float = 0.1):
+        self.probe_batches = list(probe_batches)
+        self.every, self.mode, self.normalize, self.floor = every, mode, normalize, floor
+        self.decoupled = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+        importance = UnitImportance(model, self.probe_batches, mode=self.mode, normalize=self.normalize)
+        self.decoupled = DecoupledLR(optimizer, importance, every=self.every, floor=self.floor)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.decoupled is not None and logs is not None:
+            logs["adept_mean_lr_multiplier"] = self.decoupled.mean_multiplier
+            logs["adept_recomputes"] = self.decoupled.recomputes
+            logs.update({f"adept_lr/{name}": rate for name, rate in self.decoupled.rates().items()})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.decoupled is not None:
+            self.decoupled.remove()

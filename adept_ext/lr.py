@@ -1,0 +1,101 @@
+"""ADEPT Stage 2: decoupled per-unit learning rates (SPEC §1.3).
+
+Every unit U (one parameter tensor of an expanded layer) gets its own rate
+lr_U = max(2·(1 − Î_U), floor) · lr, where lr is whatever the optimizer's group holds at that
+step (so warmup/cosine/LambdaLR schedulers compose: the multiplier is applied only for the
+duration of `optimizer.step()`, through step hooks, and the scheduler's value is restored
+exactly afterwards). Î is recomputed every `every` optimizer steps on the probe batches.
+Each unit has its own param group (`param_groups`), so each really gets its own rate.
+"""
+from typing import Dict, List, Optional
+
+import torch
+
+from .units import UnitImportance, partition
+
+
+def param_groups(model, lr: float, weight_decay: float = 0.0, no_decay_kinds=("norm",)) -> List[Dict]:
+    """One optimizer param group per unit of the expanded model (see `units.partition`),
+    tagged with `"adept_unit"`; norms get no weight decay by default."""
+    params = dict(model.named_parameters())
+    return [{"params": [params[u.name]], "lr": lr, "adept_unit": u.name,
+             "weight_decay": 0.0 if u.kind in no_decay_kinds else weight_decay} for u in partition(model)]
+
+
+class DecoupledLR:
+    """Per-unit learning-rate multipliers m_U = max(2·(1 − Î_U), floor), recomputed every
+    `every` optimizer steps (SPEC §1.3).
+
+    optimizer: built from `param_groups(model, ...)` (one group per unit); importance: a
+    `UnitImportance` on the probe batches. Until the first recompute the copies take the
+    scores of their source layers' units (a fresh copy scores exactly 0). `mean_multiplier`
+    reports the realised mean of m_U, to compare methods at equal mean learning rate.
+    Raises ValueError if a unit has no param group of its own.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, importance: UnitImportance, every: int = 100,
+                 floor: float = 0.1):
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if not 0 <= floor <= 2:
+            raise ValueError(f"floor must be in [0, 2], got {floor}")
+        self.optimizer, self.importance, self.every, self.floor = optimizer, importance, every, floor
+        by_unit = {g.get("adept_unit"): g for g in optimizer.param_groups if g.get("adept_unit")}
+        names = [u.name for u in importance.units]
+        missing = [n for n in names if n not in by_unit]
+        if missing:
+            raise ValueError(f"unit {missing[0]} has no param group of its own ({len(missing)} missing): "
+                             "build the optimizer from adept_ext.lr.param_groups(model, lr)")
+        self._groups = [by_unit[n] for n in names]
+        self.steps = 0
+        self.recomputes = 0
+        self.scores = importance.compute(use_source=True)
+        self._saved: Optional[List[float]] = None
+        self._handles = [optimizer.register_step_pre_hook(self._apply),
+                         optimizer.register_step_post_hook(self._restore)]
+
+    @property
+    def multipliers(self) -> List[float]:
+        return [max(2.0 * (1.0 - s), self.floor) for s in self.scores]
+
+    @property
+    def mean_multiplier(self) -> float:
+        m = self.multipliers
+        return sum(m) / len(m)
+
+    def rates(self) -> Dict[str, float]:
+        """Current learning rate of every unit (the group's scheduled lr × its multiplier)."""
+        return {u.name: g["lr"] * m for u, g, m in zip(self.importance.units, self._groups, self.multipliers)}
+
+    def recompute(self):
+        self.scores = self.importance.compute()
+        self.recomputes += 1
+
+    def _apply(self, optimizer, args, kwargs):
+        self._saved = [g["lr"] for g in self._groups]
+        for g, m in zip(self._groups, self.multipliers):
+            g["lr"] = g["lr"] * m
+
+    def _restore(self, optimizer, args, kwargs):
+        for g, lr in zip(self._groups, self._saved):
+            g["lr"] = lr
+        self._saved = None
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.recompute()
+
+    def remove(self):
+        """Detach from the optimizer (its groups keep the scheduler's plain rates)."""
+        for h in self._handles:
+            h.remove()
+
+    def state_dict(self) -> Dict:
+        return {"scores": list(self.scores), "steps": self.steps, "recomputes": self.recomputes,
+                "every": self.every, "floor": self.floor, "units": [u.name for u in self.importance.units]}
+
+    def load_state_dict(self, state: Dict):
+        names = [u.name for u in self.importance.units]
+        if state["units"] != names:
+            raise ValueError("the saved state belongs to a model with other expanded units")
+        self.scores, self.steps, self.recomputes = list(state["scores"]), state["steps"], state["recomputes"]
+        self.every, self.floor = state["every"], state["floor"]

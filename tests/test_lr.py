@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from adept_ext.expand import expand_layers
+from adept_ext.lr import DecoupledLR, param_groups
+from adept_ext.units import UnitImportance
+from tiny_models import padded_batches, tiny_model
+
+
+def setup(lr=1e-3, every=2, floor=0.1, normalize="per_kind"):
+    model = tiny_model("qwen3", layers=4)
+    expand_layers(model, [0, 2])
+    opt = torch.optim.AdamW(param_groups(model, lr, weight_decay=0.01))
+    imp = UnitImportance(model, padded_batches(n_batches=1), normalize=normalize)
+    return model, opt, DecoupledLR(opt, imp, every=every, floor=floor)
+
+
+def train_step(model, opt, batch):
+    opt.zero_grad()
+    model(**batch).loss.backward()
+    opt.step()
+
+
+def test_each_unit_gets_its_own_rate_in_the_update():
+    model, opt, dec = setup(lr=1e-2)
+    assert len(opt.param_groups) == len(dec.importance.units) == 22
+    with torch.no_grad():  # fresh copies pass no gradient upstream of their zeroed outputs
+        for i in (1, 4):
+            model.model.layers[i].self_attn.o_proj.weight.normal_(0, 0.1)
+            model.model.layers[i].mlp.down_proj.weight.normal_(0, 0.1)
+    # SGD-like check through AdamW's first step: |Δθ| = lr_U for every element with g != 0
+    before = [g["params"][0].detach().clone() for g in opt.param_groups]
+    mult = dec.multipliers
+    for g in opt.param_groups:
+        g["weight_decay"] = 0.0
+    train_step(model, opt, padded_batches(n_batches=1)[0])
+    seen = set()
+    for g, b, m in zip(opt.param_groups, before, mult):
+        delta = (g["params"][0].detach() - b).abs()
+        nz = delta[delta > 0]
+        if nz.numel():
+            torch.testing.assert_close(nz.median().item(), 1e-2 * m, rtol=1e-3, atol=1e-7)
+            seen.add(round(m, 6))
+    assert len(seen) > 5  # really many different rates, not two
+    assert all(g["lr"] == 1e-2 for g in opt.param_groups)  # scheduler-visible lr restored exactly
+
+
+def test_multipliers_formula_floor_and_mean():
+    _, _, dec = setup(floor=0.3)
+    for s, m in zip(dec.scores, dec.multipliers):
+        assert m == pytest.approx(max(2 * (1 - s), 0.3))
+    assert min(dec.multipliers) >= 0.3
+    _, _, rank = setup(normalize="rank", floor=0.0)
+    assert rank.mean_multiplier == pytest.approx(1.0, abs=1e-9)
+
+
+def test_composes_with_a_scheduler():
+    model, opt, dec = setup(lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    batch = padded_batches(n_batches=1)[0]
+    for step in range(3):
+        assert all(g["lr"] == pytest.approx(1e-2 * 0.5 ** step) for g in opt.param_groups)
+        rates = dec.rates()
+        assert all(rates[u.name] == pytest.approx(1e-2 * 0.5 ** step * m) for u, m in zip(dec.importance.units, dec.multipliers))
+        train_step(model, opt, batch)
+        sched.step()
+
+
+def test_recompute_schedule_and_state_dict():
+    model, opt, dec = setup(every=2)
+    initial = list(dec.scores)
+    batch = padded_batches(n_batches=1)[0]
+    train_step(model, opt, batch)
+    assert dec.recomputes == 0 and dec.scores == initial
+    train_step(model, opt, batch)
+    assert dec.recomputes == 1 and dec.scores != initial
+    state = dec.state_dict()
+    _, opt2, dec2 = setup(every=2)
+    dec2.load_state_dict(state)
+    assert dec2.scores == dec.scores and dec2.steps == 2 and dec2.multipliers == dec.multipliers
+
+
+def test_needs_one_group_per_unit():
+    model = tiny_model("qwen3", layers=4)
+    trainable = expand_layers(model, [0])
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    imp = UnitImportance(model, padded_batches(n_batches=1))
+    with pytest.raises(ValueError, match="has no param group of its own"):
+        DecoupledLR(opt, imp)
+    with pytest.raises(ValueError, match="every"):
+        DecoupledLR(torch.optim.AdamW(param_groups(model, 1e-3)), imp, every=0)
