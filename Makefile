@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.adept-ext-built
-SOURCES := setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+SOURCES := setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
 .PHONY: setup test bench clean
 

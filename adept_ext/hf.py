@@ -26,10 +26,16 @@ class ADEPTCallback(TrainerCallback):
         self.decoupled = DecoupledLR(optimizer, importance, every=self.every, floor=self.floor)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.decoupled is not None and logs is not None:
-            logs["adept_mean_lr_multiplier"] = self.decoupled.mean_multiplier
-            logs["adept_recomputes"] = self.decoupled.recomputes
-            logs.update({f"adept_lr/{name}": rate for name, rate in self.decoupled.rates().items()})
+        """Adds the mean multiplier, the recompute count and every unit's current rate to the
+        logged values and to the Trainer's saved log history."""
+        if self.decoupled is None or logs is None:
+            return
+        extra = {"adept_mean_lr_multiplier": self.decoupled.mean_multiplier,
+                 "adept_recomputes": self.decoupled.recomputes,
+                 **{f"adept_lr/{name}": rate for name, rate in self.decoupled.rates().items()}}
+        logs.update(extra)
+        if state.log_history:
+            state.log_history[-1].update(extra)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.decoupled is not None:

@@ -56,7 +56,10 @@ class ModelAdapter:
 
 
 def adapter(model) -> ModelAdapter:
-    """The adapter of a supported model; ValueError naming the supported architectures otherwise."""
+    """The adapter of a supported model (a DistributedDataParallel wrapper is looked through);
+    ValueError naming the supported architectures otherwise."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .models import adapter
 from .ops import linear_cross_entropy
+from .report import plot_layer_scores
 
 METHODS = ("bypass", "block_influence", "taylor")
 
@@ -50,21 +51,9 @@ class LayerScores:
 
     def plot(self, path, title: Optional[str] = None, highlight: Iterable[int] = ()):
         """Bar chart of the scores as a PNG; `highlight` (e.g. the selected layers) in orange."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        chosen = set(highlight)
-        fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(self.scores) + 2), 3.5))
-        colors = ["tab:orange" if i in chosen else "tab:blue" for i in range(len(self.scores))]
-        ax.bar(range(len(self.scores)), self.scores, color=colors)
-        ax.set_xlabel("layer")
-        ax.set_ylabel("Δ loss when bypassed" if self.method == "bypass" else f"{self.method} score")
-        ax.set_title(title or f"layer importance ({self.method}, {self.tokens} tokens)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        ylabel = "Δ loss when bypassed" if self.method == "bypass" else f"{self.method} score"
+        plot_layer_scores(self.scores, path, ylabel, title or f"layer importance ({self.method}, {self.tokens} tokens)",
+                          highlight)
 
 
 def _shifted_targets(batch) -> torch.Tensor:

@@ -139,13 +139,13 @@ class UnitImportance:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
-        self.model = model
-        self.units = partition(model)
+        self.model = adapter(model).model  # under DDP, probe the module itself (no reducer hooks)
+        self.units = partition(self.model)
         self.probe_batches = list(probe_batches)
         if not self.probe_batches:
             raise ValueError("probe data is empty: no batches")
         self.mode, self.normalize = mode, normalize
-        self._params = dict(model.named_parameters())
+        self._params = dict(self.model.named_parameters())
 
     def raw_scores(self, use_source: bool = False) -> List[float]:
         """Mean θ·g (signed or absolute) per unit, averaged over the probe batches."""

@@ -225,7 +225,103 @@ def bench_probe(args, device):
     return results
 
 
-BENCHMARKS = {"importance": bench_importance, "probe": bench_probe}
+# ---------------------------------------------------------------- lr
+def plain_recompute(model, units, batches):
+    """The recompute written with plain per-tensor PyTorch ops (what a user would write)."""
+    params = dict(model.named_parameters())
+    tensors = [params[u.name] for u in units]
+    totals = [0.0] * len(tensors)
+    for batch in batches:
+        grads = torch.autograd.grad(model(**batch, use_cache=False).loss, tensors)
+        for i, (p, g) in enumerate(zip(tensors, grads)):
+            totals[i] += (p.detach() * g).abs().mean().item()
+    return [t / len(batches) for t in totals]
+
+
+def bench_lr(args, device):
+    import copy
+
+    from adept_ext import data
+    from adept_ext.expand import expand_layers
+    from adept_ext.lr import DecoupledLR, param_groups
+    from adept_ext.models import load_model
+    from adept_ext.probe import layer_importance
+    from adept_ext.report import plot_unit_rates
+    from adept_ext.units import UnitImportance
+
+    steps = 4 if args.quick else 12
+    model, tokenizer = load_model("smollm2-135m", device=device)
+    general = data.token_blocks(data.load_texts("bbc-news")[:300], tokenizer, block_len=128)
+    domain = data.token_blocks(data.load_texts("python-docs"), tokenizer, block_len=128)
+    chosen = layer_importance(model, data.batches(general, 2, limit=1), progress=False).select(4)
+    expand_layers(model, chosen)
+    train_batches = data.batches(domain, 4, limit=steps + 2)
+    probe = data.batches({k: v[-8:] for k, v in domain.items()}, 2)  # 8 x 128 probe tokens, not trained on
+
+    plain_model = copy.deepcopy(model).train()
+    plain_opt = torch.optim.AdamW([p for p in plain_model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
+    ours_model = copy.deepcopy(model).train()
+    ours_opt = torch.optim.AdamW(param_groups(ours_model, 1e-4, weight_decay=0.01))
+    importance = UnitImportance(ours_model, probe)
+    decoupled = DecoupledLR(ours_opt, importance, every=10**9)  # no recompute inside the timed steps
+
+    def step(m, opt, batch):
+        opt.zero_grad(set_to_none=True)
+        m(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss.backward()
+        opt.step()
+
+    times = {"plain": [], "decoupled": []}
+    for i, batch in enumerate(train_batches):  # interleaved, so that machine noise hits both alike
+        for name, m, opt in (("plain", plain_model, plain_opt), ("decoupled", ours_model, ours_opt)):
+            sync(device)
+            start = time.perf_counter()
+            step(m, opt, batch)
+            sync(device)
+            if i >= 2:  # warm-up
+                times[name].append(time.perf_counter() - start)
+    plain_s, ours_s = statistics.median(times["plain"]), statistics.median(times["decoupled"])
+
+    fused_recompute = median_time(lambda: importance.raw_scores(), device, 3 if not args.quick else 1, 1)
+    plain_recompute_s = median_time(lambda: plain_recompute(ours_model, importance.units, probe), device,
+                                    3 if not args.quick else 1, 1)
+    torch.testing.assert_close(torch.tensor(importance.raw_scores()),
+                               torch.tensor(plain_recompute(ours_model, importance.units, probe), dtype=torch.float32),
+                               rtol=1e-3, atol=1e-12)
+    decoupled.recompute()
+    mult = decoupled.multipliers
+    results = {
+        "expanded_layers": ours_model.config.adept["expanded_layers"], "units": len(mult),
+        "plain_step_s": plain_s, "decoupled_step_s": ours_s, "step_overhead": ours_s / plain_s - 1,
+        "recompute_fused_s": fused_recompute, "recompute_plain_s": plain_recompute_s,
+        "recompute_speedup": plain_recompute_s / fused_recompute,
+        "mean_multiplier_after_recompute": decoupled.mean_multiplier,
+        "rates": {u.name: m for u, m in zip(importance.units, mult)},
+    }
+    for normalize in ("per_kind", "global", "rank"):
+        imp = UnitImportance(ours_model, probe, normalize=normalize)
+        results[f"mean_multiplier_{normalize}"] = sum(max(2 * (1 - s), decoupled.floor) for s in imp.compute()) / len(mult)
+    results["mean_multiplier_source_scores"] = sum(max(2 * (1 - s), decoupled.floor)
+                                                   for s in importance.compute(use_source=True)) / len(mult)
+    out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else "bench-results"
+    os.makedirs(out_dir, exist_ok=True)
+    results["heatmap"] = os.path.join(out_dir, "unit_rates.png")
+    plot_unit_rates(importance.units, mult, results["heatmap"],
+                    title=f"ADEPT per-unit lr multipliers, SmolLM2-135M, copies of {chosen}")
+
+    print(f"\nDecoupledLR on SmolLM2-135M expanded at {chosen} ({len(mult)} units), AdamW, batch 4x128, device {device}")
+    print(f"step: plain {plain_s * 1e3:.0f} ms, with DecoupledLR {ours_s * 1e3:.0f} ms -> overhead {results['step_overhead'] * 100:+.1f}%")
+    print(f"recompute on 8x128 probe tokens: fused {fused_recompute:.2f} s, plain per-tensor {plain_recompute_s:.2f} s "
+          f"-> speedup {results['recompute_speedup']:.2f}x")
+    print("mean lr multiplier: " + ", ".join(f"{k[len('mean_multiplier_'):]} {v:.3f}" for k, v in results.items()
+                                             if k.startswith("mean_multiplier_")))
+    print(f"{'unit':48} {'multiplier':>10}")
+    for u, m in zip(importance.units, mult):
+        print(f"{u.name:48} {m:10.3f}")
+    print(f"heatmap: {results['heatmap']}")
+    return results
+
+
+BENCHMARKS = {"importance": bench_importance, "probe": bench_probe, "lr": bench_lr}
 
 
 def main(argv=None):

@@ -1,30 +1,16 @@
 // CPU kernel of linear_cross_entropy: chunked at::mm, then per row (at::parallel_for) a
 // vectorised max pass and a vectorised sum-of-exp pass in float32.
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <limits>
 
+#include "vec_load.h"
 #include "../linear_cross_entropy.h"
 
 namespace adept_ext {
 namespace {
-
-using Vec = at::vec::Vectorized<float>;
-
-template <typename T>
-inline Vec load_float(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec v;
-    at::vec::load_to_float(p, v);
-    return v;
-  }
-}
 
 template <typename T>
 float row_logsumexp(const T* x, int64_t v) {

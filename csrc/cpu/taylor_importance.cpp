@@ -1,29 +1,15 @@
 // CPU kernel of taylor_importance: one at::parallel_for over (tensor, chunk) work items,
 // vectorised float32 accumulation per chunk, fixed-order double reduction per tensor.
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
 
+#include "vec_load.h"
 #include "../taylor_importance.h"
 
 namespace adept_ext {
 namespace {
-
-using Vec = at::vec::Vectorized<float>;
-
-template <typename T>
-inline Vec load_float(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec v;
-    at::vec::load_to_float(p, v);
-    return v;
-  }
-}
 
 struct Sums {
   float dot;

@@ -11,17 +11,13 @@
 
 #include <cmath>
 
+#include "common.cuh"
 #include "../linear_cross_entropy.h"
 
 namespace adept_ext {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarp = 32;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 // Merge two (max, sum of exp(x - max)) states.
 __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {

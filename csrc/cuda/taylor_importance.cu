@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include "common.cuh"
 #include "../taylor_importance.h"
 
 namespace adept_ext {
@@ -18,7 +19,6 @@ namespace {
 
 constexpr int kChunkThreads = 512;
 constexpr int kFinalThreads = 256;
-constexpr int kWarp = 32;
 
 enum DtypeCode : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -43,10 +43,6 @@ struct Meta {
   __device__ int64_t code(int64_t i) const { return base[3 * n + i]; }
   __device__ int64_t first_chunk(int64_t i) const { return base[4 * n + i]; }
 };
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {

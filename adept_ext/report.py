@@ -1,0 +1,52 @@
+"""Plots (PNG) of what the library computed, for a person to look at."""
+from typing import Dict, Iterable, List, Optional
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_layer_scores(scores: List[float], path, ylabel: str, title: str, highlight: Iterable[int] = ()):
+    """Bar chart of one score per layer; `highlight`ed layers (e.g. the selected ones) in orange."""
+    plt = _pyplot()
+    chosen = set(highlight)
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(scores) + 2), 3.5))
+    ax.bar(range(len(scores)), scores, color=["tab:orange" if i in chosen else "tab:blue" for i in range(len(scores))])
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_unit_rates(units, values: List[float], path, title: str = "per-unit learning-rate multiplier",
+                    label: Optional[str] = None):
+    """Heatmap of one value per unit: rows = expanded layers (with their source), columns = tensors."""
+    plt = _pyplot()
+    layers = sorted({(u.layer, u.source_layer) for u in units})
+    columns: Dict[str, int] = {}
+    for u in units:
+        columns.setdefault(u.name.split(f".{u.layer}.", 1)[1].removesuffix(".weight"), len(columns))
+    grid = [[float("nan")] * len(columns) for _ in layers]
+    row_of = {layer: i for i, (layer, _) in enumerate(layers)}
+    for u, v in zip(units, values):
+        grid[row_of[u.layer]][columns[u.name.split(f".{u.layer}.", 1)[1].removesuffix(".weight")]] = v
+    fig, ax = plt.subplots(figsize=(1.0 * len(columns) + 2.5, 0.5 * len(layers) + 2))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(columns)), list(columns), rotation=45, ha="right")
+    ax.set_yticks(range(len(layers)), [f"copy {l} (of {s})" for l, s in layers])
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < (max(values) + min(values)) / 2 else "black", fontsize=8)
+    fig.colorbar(im, ax=ax, label=label or "multiplier of lr")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

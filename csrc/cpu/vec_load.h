@@ -1,0 +1,24 @@
+// Loads of float32 / bfloat16 / float16 data into at::vec::Vectorized<float>, shared by the CPU kernels.
+#pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <type_traits>
+
+namespace adept_ext {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Vec::size() elements starting at p, converted to float.
+template <typename T>
+inline Vec load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec v;
+    at::vec::load_to_float(p, v);
+    return v;
+  }
+}
+
+}  // namespace adept_ext

@@ -1,0 +1,28 @@
+"""ADEPTCallback inside a real transformers.Trainer run on a tiny model."""
+import torch
+from transformers import Trainer, TrainingArguments
+
+from adept_ext.expand import expand_layers
+from adept_ext.hf import ADEPTCallback
+from adept_ext.lr import param_groups
+from tiny_models import padded_batches, tiny_model
+
+
+def test_trainer_end_to_end(tmp_path):
+    model = tiny_model("llama", layers=3)
+    expand_layers(model, [1])
+    originals = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    copies = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = [{k: v[i] for k, v in batch.items()} for batch in padded_batches(n_batches=4) for i in range(3)]
+    callback = ADEPTCallback(padded_batches(n_batches=1, seed=5), every=2)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=4, logging_steps=1,
+                             learning_rate=1e-3, warmup_steps=1, lr_scheduler_type="linear", report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=rows,
+                      optimizers=(torch.optim.AdamW(param_groups(model, 1e-3)), None), callbacks=[callback])
+    trainer.train()
+    assert callback.decoupled.steps == 4 and callback.decoupled.recomputes == 2
+    logged = [entry for entry in trainer.state.log_history if "adept_mean_lr_multiplier" in entry]
+    assert logged and any(k.startswith("adept_lr/model.layers.2.") for k in logged[-1])
+    assert all(torch.equal(p, originals[n]) for n, p in model.named_parameters() if n in originals)
+    assert any(not torch.equal(p, copies[n]) for n, p in model.named_parameters() if n in copies)
