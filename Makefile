@@ -21,7 +21,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) tools/bench.py importance --json bench-results/importance.json
+	$(PY) tools/bench.py all --json bench-results/bench.json
 
 clean:
 	rm -rf build *.egg-info adept_ext/*.so $(STAMP)

@@ -14,7 +14,7 @@ class ADEPTCallback(TrainerCallback):
     Trainer (it then builds its own scheduler on top, which composes with the multipliers).
     """
 
-    def __init__(self, probe_batches, every: int = 100, mode: str = "abs", normalize: str = "per_kind",
+    def __init__(self, probe_batches, every: int = 100, mode: str = "abs", normalize: str = "rank",
                  floor: float = 0.1):
         self.probe_batches = list(probe_batches)
         self.every, self.mode, self.normalize, self.floor = every, mode, normalize, floor

@@ -213,6 +213,11 @@ def bench_probe(args, device):
         results["peak_mem_fused_mb"] = peak_rss_mb(run_probe_method, "bypass", n_blocks, "cpu")
     results["scores"] = exact.scores
     results["least_important"] = exact.select(4)
+    out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else "bench-results"
+    os.makedirs(out_dir, exist_ok=True)
+    results["plot"] = os.path.join(out_dir, "layer_importance.png")
+    exact.plot(results["plot"], title=f"SmolLM2-135M layer importance (bypass Δloss, {exact.tokens} BBC News tokens)",
+               highlight=results["least_important"])
     print(f"\nlayer probing on SmolLM2-135M ({results['layers']} layers), {n_blocks} blocks x 128 BBC News tokens, device {device}")
     print(f"naive (L+1 HF forwards): {results['naive_s']:.2f} s, peak +{results['peak_mem_naive_mb']:.0f} MB")
     print(f"adept_ext bypass:        {results['fused_s']:.2f} s, peak +{results['peak_mem_fused_mb']:.0f} MB  "

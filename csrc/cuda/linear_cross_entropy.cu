@@ -50,24 +50,8 @@ __global__ void __launch_bounds__(kThreads)
       s += expf(x - m);
     }
   }
-  for (int off = kWarp / 2; off > 0; off /= 2) {
-    merge(m, s, __shfl_down_sync(0xffffffffu, m, off), __shfl_down_sync(0xffffffffu, s, off));
-  }
-  __shared__ float sm[kThreads / kWarp], ss[kThreads / kWarp];
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (lane == 0) {
-    sm[warp] = m;
-    ss[warp] = s;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < kThreads / kWarp ? sm[lane] : -INFINITY;
-    s = lane < kThreads / kWarp ? ss[lane] : 0.f;
-    for (int off = kWarp / 2; off > 0; off /= 2) {
-      merge(m, s, __shfl_down_sync(0xffffffffu, m, off), __shfl_down_sync(0xffffffffu, s, off));
-    }
-    if (lane == 0) loss[r] = m + logf(s) - to_float(row[t]);
-  }
+  block_reduce_pair(m, s, -INFINITY, 0.f, [](float& m1, float& s1, float m2, float s2) { merge(m1, s1, m2, s2); });
+  if (threadIdx.x == 0) loss[r] = m + logf(s) - to_float(row[t]);
 }
 
 void row_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets, int64_t ignore_index,

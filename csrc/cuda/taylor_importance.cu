@@ -88,31 +88,6 @@ __device__ void dispatch_grad(int64_t gcode, const TP* p, const void* g, int64_t
   }
 }
 
-// Deterministic block-wide sum of two values (fixed shuffle tree, then fixed warp order).
-template <typename T>
-__device__ void block_sum2(T& a, T& b) {
-  __shared__ T sa[kWarp], sb[kWarp];
-  for (int off = kWarp / 2; off > 0; off /= 2) {
-    a += __shfl_down_sync(0xffffffffu, a, off);
-    b += __shfl_down_sync(0xffffffffu, b, off);
-  }
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (lane == 0) {
-    sa[warp] = a;
-    sb[warp] = b;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x / kWarp;
-    a = lane < warps ? sa[lane] : T(0);
-    b = lane < warps ? sb[lane] : T(0);
-    for (int off = kWarp / 2; off > 0; off /= 2) {
-      a += __shfl_down_sync(0xffffffffu, a, off);
-      b += __shfl_down_sync(0xffffffffu, b, off);
-    }
-  }
-}
-
 __global__ void __launch_bounds__(kChunkThreads)
     chunk_partials_kernel(Meta meta, float2* __restrict__ partial) {
   const int64_t chunk = blockIdx.x;
