@@ -139,3 +139,99 @@ def linear_cross_entropy(
 @torch.library.register_fake("adept_ext::linear_cross_entropy")
 def _linear_cross_entropy_fake(hidden, weight, targets, ignore_index, chunk_rows):
     return hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
+
+
+BASIS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_tensor_list(name: str, label: str, tensors, device, dtypes=SUPPORTED_DTYPES, contiguous=False):
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if t is None:
+            raise ValueError(f"{name}: {label}[{i}] is None (missing gradient?)")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {label}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name}: {label}[{i}] has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name}: {label}[{i}] is on {t.device}, expected {device}")
+        if contiguous and not t.is_contiguous():
+            raise ValueError(f"{name}: {label}[{i}] must be contiguous (it is updated in place)")
+    return tensors
+
+
+def _check_basis(name: str, basis, grads, in_place: bool):
+    basis, grads = list(basis), list(grads)
+    if len(basis) != len(grads):
+        raise ValueError(f"{name}: got {len(basis)} basis tensors but {len(grads)} grads")
+    if not basis:
+        raise ValueError(f"{name}: empty tensor lists")
+    device = basis[0].device if isinstance(basis[0], torch.Tensor) else None
+    basis = _check_tensor_list(name, "basis", basis, device, BASIS_DTYPES)
+    grads = _check_tensor_list(name, "grads", grads, device, contiguous=in_place)
+    k = basis[0].shape[0] if basis[0].dim() else None
+    for i, (q, g) in enumerate(zip(basis, grads)):
+        if q.dim() != g.dim() + 1 or q.shape[0] != k or q.shape[1:] != g.shape:
+            raise ValueError(f"{name}: basis[{i}] has shape {tuple(q.shape)}; expected ({k}, *{tuple(g.shape)}) "
+                             "with the same k for every tensor")
+    return basis, grads, k
+
+
+def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """c = Qᵀg over a list of tensors (EoupCT null-space projection, SPEC §2).
+
+    basis[i] is [k, *grads[i].shape] (float32 or bfloat16): row j is tensor i's slice of basis
+    vector j. grads: float32/bfloat16/float16. Returns float64 [k] with c_j = Σ_i ⟨basis_i[j], grads_i⟩,
+    accumulated in float32 per 4096-element chunk and float64 across chunks (deterministic).
+    """
+    basis, grads, _ = _check_basis("null_space_coeffs", basis, grads, in_place=False)
+    return torch.ops.adept_ext.null_space_coeffs.default([q.detach() for q in basis], [g.detach() for g in grads])
+
+
+def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], coeffs: torch.Tensor) -> None:
+    """In place, grads_i ← grads_i − Σ_j coeffs_j · basis_i[j] (g ← g − Q c, SPEC §2).
+    coeffs: float64 [k] on the tensors' device; grads must be contiguous."""
+    basis, grads, k = _check_basis("null_space_apply_", basis, grads, in_place=True)
+    if not isinstance(coeffs, torch.Tensor) or coeffs.dtype != torch.float64 or tuple(coeffs.shape) != (k,):
+        raise ValueError(f"null_space_apply_: coeffs must be a float64 tensor of shape ({k},)")
+    if coeffs.device != grads[0].device:
+        raise ValueError(f"null_space_apply_: coeffs is on {coeffs.device}, the tensors on {grads[0].device}")
+    torch.ops.adept_ext.null_space_apply_.default([q.detach() for q in basis], [g.detach() for g in grads], coeffs)
+
+
+def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tensor], lam: float = 1.0,
+                      eps: float = 1e-6) -> torch.Tensor:
+    """EoupCT conflict correction (SPEC §2), fused over a list of tensors, in place on g_new:
+    with d = ⟨g_new, g_pre⟩, if d < −eps·‖g_new‖·‖g_pre‖ then g_new ← g_new − (d/‖g_pre‖²)·g_pre;
+    then g_new ← g_new + lam·g_pre. The branch is decided on the device (no host sync).
+    Returns float64 [4]: d, ‖g_pre‖², ‖g_new‖² (before the update) and the removed coefficient.
+    """
+    name = "conflict_correct_"
+    g_new, g_pre = list(g_new), list(g_pre)
+    if len(g_new) != len(g_pre) or not g_new:
+        raise ValueError(f"{name}: g_new and g_pre must be non-empty lists of equal length, got {len(g_new)} and {len(g_pre)}")
+    device = g_new[0].device if isinstance(g_new[0], torch.Tensor) else None
+    g_new = _check_tensor_list(name, "g_new", g_new, device, contiguous=True)
+    g_pre = _check_tensor_list(name, "g_pre", g_pre, device)
+    for i, (a, b) in enumerate(zip(g_new, g_pre)):
+        if a.shape != b.shape:
+            raise ValueError(f"{name}: g_new[{i}] has shape {tuple(a.shape)} but g_pre[{i}] has {tuple(b.shape)}")
+    if eps < 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+    return torch.ops.adept_ext.conflict_correct_.default([a.detach() for a in g_new], [b.detach() for b in g_pre],
+                                                         float(lam), float(eps))
+
+
+@torch.library.register_fake("adept_ext::null_space_coeffs")
+def _null_space_coeffs_fake(basis, grads):
+    return grads[0].new_empty((basis[0].shape[0],), dtype=torch.float64)
+
+
+@torch.library.register_fake("adept_ext::null_space_apply_")
+def _null_space_apply_fake(basis, grads, coeffs):
+    return None
+
+
+@torch.library.register_fake("adept_ext::conflict_correct_")
+def _conflict_correct_fake(g_new, g_pre, lam, eps):
+    return g_new[0].new_empty((4,), dtype=torch.float64)

@@ -52,3 +52,32 @@ def bypass_layer_losses(model, batches):
                 hook.remove()
 
     return mean_loss(None), [mean_loss(l) for l in range(len(layers))]
+
+
+def null_space_coeffs(basis, grads) -> torch.Tensor:
+    """c = Qᵀg (SPEC §2): basis[i] is [k, *grads[i].shape]; float64 [k]."""
+    k = basis[0].shape[0]
+    c = torch.zeros(k, dtype=torch.float64)
+    for q, g in zip(basis, grads):
+        c += q.detach().double().reshape(k, g.numel()).cpu() @ g.detach().double().reshape(-1).cpu()
+    return c
+
+
+def null_space_project(basis, grads, coeffs=None):
+    """g − Q c for every tensor, float64 copies (SPEC §2); c = Qᵀg unless given."""
+    c = null_space_coeffs(basis, grads) if coeffs is None else coeffs.double().cpu()
+    k = basis[0].shape[0]
+    return [g.detach().double().cpu() - (c @ q.detach().double().cpu().reshape(k, g.numel())).reshape(g.shape)
+            for q, g in zip(basis, grads)]
+
+
+def conflict_correct(g_new, g_pre, lam: float, eps: float):
+    """SPEC §2 conflict correction on float64 copies: if <g_new, g_pre> < −eps·|g_new|·|g_pre|,
+    g_new ← g_new − (<g_new, g_pre>/|g_pre|²)·g_pre; then g_new + lam·g_pre."""
+    a = [t.detach().double().cpu() for t in g_new]
+    b = [t.detach().double().cpu() for t in g_pre]
+    dot = sum(float((x * y).sum()) for x, y in zip(a, b))
+    pp = sum(float((y * y).sum()) for y in b)
+    nn = sum(float((x * x).sum()) for x in a)
+    coef = dot / pp if pp > 0 and dot < -eps * (pp * nn) ** 0.5 else 0.0
+    return [x + (lam - coef) * y for x, y in zip(a, b)], coef

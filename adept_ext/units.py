@@ -176,11 +176,13 @@ class UnitImportance:
             for p, f in zip(params, flags):
                 p.requires_grad_(f)
             self.model.train(was_training)
-        count = torch.tensor([float(len(batches))], dtype=torch.float32, device=device)
+        num_batches = len(batches)
         if distributed:
+            count = torch.tensor([float(num_batches)], dtype=torch.float32, device=device)
             dist.all_reduce(sums)
             dist.all_reduce(count)
-        means = mean_importance(sums, [p.numel() for p in params], num_batches=max(1, int(count.item())))
+            num_batches = int(count.item())
+        means = mean_importance(sums, [p.numel() for p in params], num_batches=max(1, num_batches))
         column = means[:, 1 if self.mode == "abs" else 0].tolist()  # the one host sync
         bad = [n for n, v in zip(names, column) if not math.isfinite(v)]
         if bad:

@@ -20,5 +20,14 @@ TORCH_LIBRARY(adept_ext, m) {
   m.def("taylor_importance_out(Tensor[] params, Tensor[] grads, Tensor(a!) out, bool accumulate) -> ()");
   // Per-row cross-entropy of hidden [N, H] @ weight[V, H]^T against targets [N], float32 [N]
   // (0 at ignore_index rows), computed in row chunks without materialising [N, V] (SPEC §1.1).
+  // Null-space projection (SPEC §2). basis[i]: [k, *grads[i].shape], tensor i's slices of k
+  // basis vectors. coeffs = Σ_i basis_i · grads_i, float64 [k] (= Qᵀg);
+  m.def("null_space_coeffs(Tensor[] basis, Tensor[] grads) -> Tensor");
+  // grads_i -= Σ_j coeffs[j] · basis_i[j], in place (g ← g − Q c).
+  m.def("null_space_apply_(Tensor[] basis, Tensor(a!)[] grads, Tensor coeffs) -> ()");
+  // Conflict correction: with d = <g_new, g_pre>, if d < -eps·|g_new|·|g_pre| remove g_new's
+  // component along g_pre; then g_new += lam·g_pre, in place and without a host sync.
+  // Returns float64 [4]: d, |g_pre|^2, |g_new|^2 (before the update) and the removed coefficient.
+  m.def("conflict_correct_(Tensor(a!)[] g_new, Tensor[] g_pre, float lam, float eps) -> Tensor");
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, int chunk_rows) -> Tensor");
 }

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <vector>
 
+#include "multi_tensor.h"
+
 namespace adept_ext {
 
 // Elements per work item. Fixed, so that chunk boundaries (and therefore the float32
@@ -32,24 +34,6 @@ inline void check_taylor_args(at::TensorList params, at::TensorList grads, const
                   "taylor_importance: tensor ", i, " has unsupported dtype ", st);
     }
   }
-}
-
-// Non-contiguous inputs are handled by reading a contiguous copy (the sums do not
-// depend on element order beyond float rounding); contiguous ones are used in place.
-inline std::vector<at::Tensor> contiguous_list(at::TensorList ts) {
-  std::vector<at::Tensor> out;
-  out.reserve(ts.size());
-  for (const auto& t : ts) out.push_back(t.contiguous());
-  return out;
-}
-
-// first_chunk[i] = index of tensor i's first work item; first_chunk[n] = total work items.
-inline std::vector<int64_t> chunk_offsets(const std::vector<at::Tensor>& ts) {
-  std::vector<int64_t> first(ts.size() + 1, 0);
-  for (size_t i = 0; i < ts.size(); ++i) {
-    first[i + 1] = first[i] + (ts[i].numel() + kTaylorChunk - 1) / kTaylorChunk;
-  }
-  return first;
 }
 
 }  // namespace adept_ext

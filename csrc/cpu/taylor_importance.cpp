@@ -76,15 +76,11 @@ void taylor_importance_out_cpu(at::TensorList params_in, at::TensorList grads_in
   const auto params = contiguous_list(params_in);
   const auto grads = contiguous_list(grads_in);
   const int64_t n = static_cast<int64_t>(params.size());
-  const auto first = chunk_offsets(params);
+  const auto first = chunk_offsets(numels_of(params), kTaylorChunk);
   const int64_t total = first[n];
-
+  const auto owner = chunk_owners(first);
   std::vector<ChunkFn> fns(n);
-  std::vector<int64_t> owner(total);
-  for (int64_t i = 0; i < n; ++i) {
-    fns[i] = pick_chunk_fn(params[i].scalar_type(), grads[i].scalar_type());
-    for (int64_t c = first[i]; c < first[i + 1]; ++c) owner[c] = i;
-  }
+  for (int64_t i = 0; i < n; ++i) fns[i] = pick_chunk_fn(params[i].scalar_type(), grads[i].scalar_type());
 
   std::vector<Sums> partial(total);
   at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {

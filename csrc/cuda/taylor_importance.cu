@@ -151,7 +151,7 @@ void taylor_importance_out_cuda(at::TensorList params_in, at::TensorList grads_i
   const c10::cuda::CUDAGuard guard(out.device());
   const auto params = contiguous_list(params_in);
   const auto grads = contiguous_list(grads_in);
-  const auto first = chunk_offsets(params);
+  const auto first = chunk_offsets(numels_of(params), kTaylorChunk);
   const int64_t total = first[n];
 
   auto host = at::empty({5 * n + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));

@@ -1,0 +1,320 @@
+"""Null-space gradient projection (EoupCT, SPEC §2).
+
+A memory holds directions that past tasks and general knowledge depend on; every new update has
+its component inside their span removed. `GradientMemory` keeps an orthonormal basis Q
+(Gram–Schmidt applied twice, float64 accumulation) and projects g ← g − Q(Qᵀg); `GramMemory`
+keeps raw directions M and projects g ← g − M(MᵀM)⁻¹Mᵀg with a float64 Cholesky of MᵀM formed
+once per memory change. Both work on the list of parameter tensors in place (no flattening, no
+temporaries of the gradients' size) through the fused `null_space_coeffs` / `null_space_apply_`
+ops. `NullSpaceProjector` hooks a memory into an optimizer, projecting either the gradients
+before the step or the actual parameter change after it (Adam-NSCL style), so that
+Qᵀ(θ_new − θ_old) ≈ 0 also with AdamW and weight decay.
+
+Sharded parameters (DTensor, e.g. FSDP2) are handled by working on the local shards and
+all-reducing the Qᵀg partial sums over the shards' process group.
+"""
+import logging
+import math
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .ops import BASIS_DTYPES, null_space_apply_, null_space_coeffs, taylor_importance
+
+log = logging.getLogger(__name__)
+POLICIES = ("error", "svd")
+
+
+def _local(t):
+    """The local shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _shard_group(params):
+    """The process group over which the parameters are sharded, or None."""
+    mesh = getattr(params[0], "device_mesh", None)
+    return mesh.get_group() if mesh is not None else None
+
+
+def _norm_sq(tensors) -> torch.Tensor:
+    """Σ‖t‖² over the list as a float64 0-dim tensor on the device (fused kernel)."""
+    return taylor_importance(tensors, tensors)[:, 0].double().sum()
+
+
+class _Memory:
+    """Shared storage: per parameter a [max_directions, *shape] tensor whose first k rows are used."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], max_directions: int, dtype=torch.float32,
+                 process_group=None):
+        params = list(params)
+        if not params:
+            raise ValueError("no parameters given")
+        if max_directions < 1:
+            raise ValueError(f"max_directions must be >= 1, got {max_directions}")
+        if dtype not in BASIS_DTYPES:
+            raise TypeError(f"dtype must be one of {BASIS_DTYPES}, got {dtype}")
+        self.params = params
+        self.max_directions = max_directions
+        self.dtype = dtype
+        self.group = process_group if process_group is not None else _shard_group(params)
+        self.storage = [torch.zeros((max_directions, *_local(p).shape), dtype=dtype, device=_local(p).device)
+                        for p in params]
+        self.k = 0
+
+    @property
+    def basis(self) -> List[torch.Tensor]:
+        return [s[:self.k] for s in self.storage]
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums partial results over the shards (a no-op for unsharded parameters)."""
+        if self.group is not None:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def _coeffs(self, tensors) -> torch.Tensor:
+        return self._all_reduce(null_space_coeffs(self.basis, tensors))
+
+    def projection_coeffs(self, tensors, check_finite: bool = True) -> torch.Tensor:
+        """y with proj(x) = Σ_j y_j·basis_j for the list x (float64 [k])."""
+        c = self._coeffs(tensors)
+        if check_finite and not bool(torch.isfinite(c).all()):
+            raise FloatingPointError("non-finite gradient: projection not applied")
+        return self._solve(c)
+
+    def _solve(self, c: torch.Tensor) -> torch.Tensor:
+        return c
+
+    def project_(self, grads, check_finite: bool = True) -> torch.Tensor:
+        """x ← x − proj(x) in place over the list (the memory's span removed); returns the
+        coefficients y of proj(x). check_finite (one host sync) raises FloatingPointError, before
+        anything is written, when the gradients hold NaN/Inf."""
+        grads = self._check_directions(grads)
+        y = self.projection_coeffs(grads, check_finite)
+        if self.k:
+            null_space_apply_(self.basis, grads, y)
+        return y
+
+    def _check_directions(self, direction) -> List[torch.Tensor]:
+        direction = [_local(t) for t in direction]
+        if len(direction) != len(self.params):
+            raise ValueError(f"a direction needs {len(self.params)} tensors (one per parameter), got {len(direction)}")
+        for i, (t, s) in enumerate(zip(direction, self.storage)):
+            if t is None or t.shape != s.shape[1:]:
+                raise ValueError(f"direction tensor {i} has shape {None if t is None else tuple(t.shape)}, "
+                                 f"expected {tuple(s.shape[1:])}")
+            if t.device != s.device:
+                raise ValueError(f"direction tensor {i} is on {t.device}, expected {s.device}")
+        return direction
+
+    @staticmethod
+    def _as_directions(directions) -> List[List[torch.Tensor]]:
+        directions = list(directions)
+        if directions and isinstance(directions[0], torch.Tensor):
+            return [directions]
+        return [list(d) for d in directions]
+
+    def state_dict(self) -> Dict:
+        return {"k": self.k, "storage": [s[:self.k].clone() for s in self.storage], **self._extra_state()}
+
+    def load_state_dict(self, state: Dict):
+        if len(state["storage"]) != len(self.storage) or state["k"] > self.max_directions:
+            raise ValueError("the saved memory belongs to other parameters or a larger max_directions")
+        for s, saved in zip(self.storage, state["storage"]):
+            if saved.shape[1:] != s.shape[1:]:
+                raise ValueError("the saved memory's tensor shapes differ from the parameters'")
+        for s, saved in zip(self.storage, state["storage"]):
+            s[:state["k"]].copy_(saved)
+        self.k = state["k"]
+        self._load_extra_state(state)
+
+    def _extra_state(self) -> Dict:
+        return {}
+
+    def _load_extra_state(self, state: Dict):
+        pass
+
+    def orthogonality_error(self, grads) -> float:
+        """‖Qᵀg‖ / ‖g‖ for the memory's (orthonormalised) span; 0 for an empty memory."""
+        grads = self._check_directions(grads)
+        if self.k == 0:
+            return 0.0
+        c = self._coeffs(grads)
+        norm = math.sqrt(float(self._all_reduce(_norm_sq(grads).reshape(1))))
+        return float(c.norm()) / norm if norm > 0 else 0.0
+
+
+class GradientMemory(_Memory):
+    """Orthonormal basis Q of protected directions (SPEC §2, robust form).
+
+    `add(directions)` orthogonalises each direction against Q (Gram–Schmidt applied twice,
+    float64 coefficients), drops it if its residual norm is below `tol` × its norm (reported in
+    the returned dict and logged, never silently), and stores it normalised. A full memory is a
+    ValueError unless `policy="svd"`: then the memory keeps the `max_directions` directions of
+    largest singular value of [Q·diag(s), r] (s = the residual norm each direction had when it
+    was added; since r ⟂ Q that SVD is diagonal, as in GPM's energy criterion).
+    `project_(grads)` applies g ← g − Q(Qᵀg) in place. With a float32 basis ‖Qᵀg′‖ ≤ 1e-6·‖g‖;
+    a bfloat16 basis halves the memory but is orthonormal only to about 1e-2, so projections
+    then leave about 1e-2 of the protected component.
+    """
+
+    def __init__(self, params, max_directions: int, dtype=torch.float32, tol: float = 1e-4, policy: str = "error",
+                 process_group=None):
+        super().__init__(params, max_directions, dtype, process_group)
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.tol, self.policy = tol, policy
+        self.scales: List[float] = []
+
+    def add(self, directions) -> Dict:
+        """Add one direction (a list of tensors shaped like the params) or a list of them.
+        Returns {"added": [...], "dropped": [...], "replaced": [...], "residual_norms": [...]},
+        indices into the given directions. Raises ValueError (memory unchanged) for bad shapes,
+        non-finite values, or a full memory with policy="error"."""
+        directions = [self._check_directions(d) for d in self._as_directions(directions)]
+        for n, d in enumerate(directions):
+            if not math.isfinite(float(_norm_sq(d))):
+                raise ValueError(f"direction {n} has non-finite values")
+        report = {"added": [], "dropped": [], "replaced": [], "residual_norms": []}
+        for n, d in enumerate(directions):
+            r = [t.detach().float().clone().contiguous() for t in d]
+            norm0 = math.sqrt(float(self._all_reduce(_norm_sq(r).reshape(1))))
+            for _ in range(2 if self.k else 0):
+                null_space_apply_(self.basis, r, self._coeffs(r))
+            norm = math.sqrt(float(self._all_reduce(_norm_sq(r).reshape(1))))
+            report["residual_norms"].append(norm)
+            if norm0 == 0 or norm <= self.tol * norm0:
+                report["dropped"].append(n)
+                log.info("GradientMemory: direction %d dropped (residual %.3g of its norm %.3g)", n, norm, norm0)
+                continue
+            if self.k < self.max_directions:
+                slot = self.k
+                self.k += 1
+                self.scales.append(norm)
+            elif self.policy == "svd":
+                slot = min(range(self.k), key=lambda j: self.scales[j])
+                if self.scales[slot] >= norm:
+                    report["dropped"].append(n)
+                    log.info("GradientMemory: direction %d compressed out (singular value %.3g)", n, norm)
+                    continue
+                report["replaced"].append(slot)
+                self.scales[slot] = norm
+            else:
+                raise ValueError(f"GradientMemory is full ({self.max_directions} directions); "
+                                 "raise max_directions or use policy='svd'")
+            for s, t in zip(self.storage, r):
+                s[slot].copy_(t / norm)
+            report["added"].append(n)
+        return report
+
+    def _extra_state(self):
+        return {"scales": list(self.scales)}
+
+    def _load_extra_state(self, state):
+        self.scales = list(state["scales"])
+
+
+class GramMemory(_Memory):
+    """Raw directions M with the projection g ← g − M(MᵀM)⁻¹Mᵀg (SPEC §2, Gram form).
+
+    MᵀM is formed once per memory change (not per step) and factorised by a float64 Cholesky
+    with a ridge of `ridge` × trace(MᵀM)/k. If M is rank-deficient beyond that ridge (an
+    eigenvalue of MᵀM below the ridge) `add` warns, or raises with `strict=True` — the
+    projection is never skipped silently.
+    """
+
+    def __init__(self, params, max_directions: int, dtype=torch.float32, ridge: float = 1e-6, strict: bool = False,
+                 process_group=None):
+        super().__init__(params, max_directions, dtype, process_group)
+        self.ridge, self.strict = ridge, strict
+        self._chol: Optional[torch.Tensor] = None
+
+    def add(self, directions) -> Dict:
+        directions = [self._check_directions(d) for d in self._as_directions(directions)]
+        if self.k + len(directions) > self.max_directions:
+            raise ValueError(f"GramMemory is full ({self.max_directions} directions)")
+        for n, d in enumerate(directions):
+            if not math.isfinite(float(_norm_sq(d))):
+                raise ValueError(f"direction {n} has non-finite values")
+        for d in directions:
+            for s, t in zip(self.storage, d):
+                s[self.k].copy_(t.detach())
+            self.k += 1
+        self._factorize()
+        return {"added": list(range(len(directions))), "k": self.k}
+
+    def _factorize(self):
+        basis = self.basis
+        gram = torch.stack([self._coeffs([b[j].float().contiguous() for b in basis]) for j in range(self.k)])
+        gram = (gram + gram.T) / 2
+        ridge = self.ridge * float(gram.diagonal().sum()) / self.k
+        smallest = float(torch.linalg.eigvalsh(gram.cpu())[0])
+        if smallest < ridge:
+            message = (f"GramMemory: the {self.k} directions are rank-deficient beyond the ridge "
+                       f"(smallest eigenvalue of MᵀM {smallest:.3g} < ridge {ridge:.3g}); the projection uses the ridge")
+            if self.strict:
+                raise ValueError(message)
+            warnings.warn(message)
+        self._chol = torch.linalg.cholesky(gram + ridge * torch.eye(self.k, dtype=gram.dtype, device=gram.device))
+
+    def _solve(self, c: torch.Tensor) -> torch.Tensor:
+        """(MᵀM + ridge·I)⁻¹ c, so that proj(g) = M(MᵀM + ridge·I)⁻¹Mᵀg."""
+        return torch.cholesky_solve(c[:, None], self._chol)[:, 0] if self.k else c
+
+    def _load_extra_state(self, state):
+        if self.k:
+            self._factorize()
+
+
+class NullSpaceProjector:
+    """Keeps an optimizer's updates out of a memory's span (SPEC §2).
+
+    where="grad": the gradients are projected before `optimizer.step()` (enough for SGD; AdamW's
+    per-coordinate scaling and weight decay push the update back out of the null space).
+    where="update": θ_old is saved before the step and θ ← θ − proj(θ − θ_old) after it, so the
+    applied change satisfies Qᵀ(θ_new − θ_old) ≈ 0 with any optimizer (Adam-NSCL). This costs
+    one buffer of the parameters' size. Under DDP the hooks see the all-reduced gradients, so
+    every rank applies the same projection.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, memory: _Memory, where: str = "update"):
+        if where not in ("grad", "update"):
+            raise ValueError(f"where must be 'grad' or 'update', got {where!r}")
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [i for i, p in enumerate(memory.params) if id(p) not in in_optimizer]
+        if missing:
+            raise ValueError(f"memory parameter {missing[0]} is not optimised by this optimizer")
+        self.optimizer, self.memory, self.where = optimizer, memory, where
+        self._old: Optional[List[torch.Tensor]] = None
+        self._handles = [optimizer.register_step_pre_hook(self._before)]
+        if where == "update":
+            self._handles.append(optimizer.register_step_post_hook(self._after))
+
+    def _locals(self):
+        return [_local(p.data) for p in self.memory.params]
+
+    def _before(self, optimizer, args, kwargs):
+        if self.where == "grad":
+            grads = [p.grad for p in self.memory.params]
+            missing = [i for i, g in enumerate(grads) if g is None]
+            if missing:
+                raise ValueError(f"parameter {missing[0]} has no gradient: nothing to project")
+            self.memory.project_([_local(g) for g in grads])
+        elif self.memory.k:
+            if self._old is None:
+                self._old = [t.detach().clone() for t in self._locals()]
+            else:
+                torch._foreach_copy_(self._old, self._locals())
+
+    def _after(self, optimizer, args, kwargs):
+        if not self.memory.k:
+            return
+        params = self._locals()
+        torch._foreach_sub_(self._old, params)  # θ_old − θ_new = −Δ
+        y = self.memory.projection_coeffs(self._old)  # proj(−Δ) = Σ_j y_j·basis_j
+        null_space_apply_(self.memory.basis, params, -y)  # θ ← θ + proj(−Δ) = θ − proj(Δ)
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()

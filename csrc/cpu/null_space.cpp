@@ -1,0 +1,176 @@
+// CPU kernels of the null-space projection (SPEC §2): c = Qᵀg and g ← g − Q c over lists of
+// tensors, and the fused conflict correction. One at::parallel_for over (tensor, chunk) work
+// items per pass; float32 vector accumulation inside a chunk, float64 across chunks in a fixed order.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "vec_load.h"
+#include "../null_space.h"
+
+namespace adept_ext {
+namespace {
+
+template <typename A, typename B>
+float dot_chunk(const A* a, const B* b, int64_t n) {
+  constexpr int64_t W = Vec::size();
+  Vec s0(0.f), s1(0.f);
+  int64_t e = 0;
+  for (; e + 2 * W <= n; e += 2 * W) {
+    s0 = at::vec::fmadd(load_float(a + e), load_float(b + e), s0);
+    s1 = at::vec::fmadd(load_float(a + e + W), load_float(b + e + W), s1);
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s0 + s1);
+  for (; e < n; ++e) s += static_cast<float>(a[e]) * static_cast<float>(b[e]);
+  return s;
+}
+
+// acc[0:n] += c * x[0:n]
+template <typename T>
+void axpy_chunk(float c, const T* x, float* acc, int64_t n) {
+  constexpr int64_t W = Vec::size();
+  const Vec vc(c);
+  int64_t e = 0;
+  for (; e + W <= n; e += W) at::vec::fmadd(vc, load_float(x + e), Vec::loadu(acc + e)).store(acc + e);
+  for (; e < n; ++e) acc[e] += c * static_cast<float>(x[e]);
+}
+
+// Calls fn(q_tag, g_tag) with typed null pointers for the dtypes of one (basis, grad) pair.
+template <typename Fn>
+void dispatch_pair(at::ScalarType tq, at::ScalarType tg, Fn fn) {
+  auto with_g = [&](auto q) {
+    switch (tg) {
+      case at::kFloat: return fn(q, static_cast<float*>(nullptr));
+      case at::kBFloat16: return fn(q, static_cast<at::BFloat16*>(nullptr));
+      case at::kHalf: return fn(q, static_cast<at::Half*>(nullptr));
+      default: TORCH_CHECK(false, "null_space: unsupported dtype ", tg);
+    }
+  };
+  switch (tq) {
+    case at::kFloat: return with_g(static_cast<float*>(nullptr));
+    case at::kBFloat16: return with_g(static_cast<at::BFloat16*>(nullptr));
+    case at::kHalf: return with_g(static_cast<at::Half*>(nullptr));
+    default: TORCH_CHECK(false, "null_space: unsupported dtype ", tq);
+  }
+}
+
+struct Chunks {
+  std::vector<at::Tensor> a, b;
+  std::vector<int64_t> first, owner;
+  Chunks(at::TensorList a_in, at::TensorList b_in, const std::vector<int64_t>& numels)
+      : a(contiguous_list(a_in)), b(contiguous_list(b_in)), first(chunk_offsets(numels, kProjChunk)),
+        owner(chunk_owners(first)) {}
+  int64_t total() const { return first.back(); }
+  int64_t start(int64_t c) const { return (c - first[owner[c]]) * kProjChunk; }
+};
+
+at::Tensor null_space_coeffs_cpu(at::TensorList basis, at::TensorList grads) {
+  const int64_t k = check_basis_args(basis, grads);
+  std::vector<int64_t> numels;
+  for (const auto& g : grads) numels.push_back(g.numel());
+  const Chunks ch(basis, grads, numels);
+  std::vector<float> partial(ch.total() * k);
+  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
+      dispatch_pair(ch.a[i].scalar_type(), ch.b[i].scalar_type(), [&](auto* q_tag, auto* g_tag) {
+        using TQ = std::remove_pointer_t<decltype(q_tag)>;
+        using TG = std::remove_pointer_t<decltype(g_tag)>;
+        const TQ* q = ch.a[i].const_data_ptr<TQ>();
+        const TG* g = ch.b[i].const_data_ptr<TG>() + s;
+        for (int64_t j = 0; j < k; ++j) partial[c * k + j] = dot_chunk(q + j * numels[i] + s, g, n);
+      });
+    }
+  });
+  auto out = at::zeros({k}, grads[0].options().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  for (int64_t c = 0; c < ch.total(); ++c)
+    for (int64_t j = 0; j < k; ++j) o[j] += partial[c * k + j];
+  return out;
+}
+
+void null_space_apply_cpu(at::TensorList basis, at::TensorList grads, const at::Tensor& coeffs) {
+  const int64_t k = check_basis_args(basis, grads);
+  check_coeffs(coeffs, k, grads[0].device());
+  std::vector<int64_t> numels;
+  for (const auto& g : grads) {
+    TORCH_CHECK(g.is_contiguous(), "null_space_apply_: grads must be contiguous (updated in place)");
+    numels.push_back(g.numel());
+  }
+  const Chunks ch(basis, grads, numels);
+  const auto cd = coeffs.contiguous();
+  std::vector<float> cf(cd.const_data_ptr<double>(), cd.const_data_ptr<double>() + k);
+  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(kProjChunk);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
+      dispatch_pair(ch.a[i].scalar_type(), grads[i].scalar_type(), [&](auto* q_tag, auto* g_tag) {
+        using TQ = std::remove_pointer_t<decltype(q_tag)>;
+        using TG = std::remove_pointer_t<decltype(g_tag)>;
+        const TQ* q = ch.a[i].const_data_ptr<TQ>();
+        TG* g = grads[i].data_ptr<TG>() + s;
+        std::fill(acc.begin(), acc.begin() + n, 0.f);
+        for (int64_t j = 0; j < k; ++j) axpy_chunk(cf[j], q + j * numels[i] + s, acc.data(), n);
+        for (int64_t e = 0; e < n; ++e) g[e] = static_cast<TG>(static_cast<float>(g[e]) - acc[e]);
+      });
+    }
+  });
+}
+
+at::Tensor conflict_correct_cpu(at::TensorList g_new, at::TensorList g_pre, double lam, double eps) {
+  check_pair_lists(g_new, g_pre);
+  std::vector<int64_t> numels;
+  for (const auto& g : g_new) {
+    TORCH_CHECK(g.is_contiguous(), "conflict_correct_: g_new must be contiguous (updated in place)");
+    numels.push_back(g.numel());
+  }
+  const Chunks ch(g_new, g_pre, numels);
+  std::vector<float> partial(ch.total() * 3);
+  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
+      dispatch_pair(ch.a[i].scalar_type(), ch.b[i].scalar_type(), [&](auto* a_tag, auto* b_tag) {
+        using TA = std::remove_pointer_t<decltype(a_tag)>;
+        using TB = std::remove_pointer_t<decltype(b_tag)>;
+        const TA* a = ch.a[i].const_data_ptr<TA>() + s;
+        const TB* b = ch.b[i].const_data_ptr<TB>() + s;
+        partial[3 * c] = dot_chunk(a, b, n);
+        partial[3 * c + 1] = dot_chunk(b, b, n);
+        partial[3 * c + 2] = dot_chunk(a, a, n);
+      });
+    }
+  });
+  auto stats = at::zeros({4}, g_new[0].options().dtype(at::kDouble));
+  double* st = stats.data_ptr<double>();
+  for (int64_t c = 0; c < ch.total(); ++c)
+    for (int m = 0; m < 3; ++m) st[m] += partial[3 * c + m];
+  const double coef = conflict_coefficient(st[0], st[1], st[2], eps);
+  st[3] = coef;
+  const float scale = static_cast<float>(lam - coef);
+  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(kProjChunk);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
+      dispatch_pair(g_new[i].scalar_type(), ch.b[i].scalar_type(), [&](auto* a_tag, auto* b_tag) {
+        using TA = std::remove_pointer_t<decltype(a_tag)>;
+        using TB = std::remove_pointer_t<decltype(b_tag)>;
+        TA* a = g_new[i].data_ptr<TA>() + s;
+        std::fill(acc.begin(), acc.begin() + n, 0.f);
+        axpy_chunk(scale, ch.b[i].const_data_ptr<TB>() + s, acc.data(), n);
+        for (int64_t e = 0; e < n; ++e) a[e] = static_cast<TA>(static_cast<float>(a[e]) + acc[e]);
+      });
+    }
+  });
+  return stats;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adept_ext, CPU, m) {
+  m.impl("null_space_coeffs", &null_space_coeffs_cpu);
+  m.impl("null_space_apply_", &null_space_apply_cpu);
+  m.impl("conflict_correct_", &conflict_correct_cpu);
+}
+
+}  // namespace adept_ext
