@@ -62,3 +62,79 @@ def test_unit_importance_all_reduces_to_the_single_process_result(tmp_path, use_
     expand_layers(model, [0, 2])
     single = UnitImportance(model, padded_batches(n_batches=4)).raw_scores()
     torch.testing.assert_close(torch.tensor(r0[:len(single)]), torch.tensor(single), rtol=1e-5, atol=1e-9)
+
+
+def _projection_ddp_worker(rank, world, init_file, result_file):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from adept_ext.projection import GradientMemory, NullSpaceProjector
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        ddp = DistributedDataParallel(model)
+        params = list(model.parameters())
+        mem = GradientMemory(params, max_directions=4)
+        mem.add([[torch.randn_like(p) for p in params] for _ in range(4)])  # same seed: same memory on every rank
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        NullSpaceProjector(opt, mem, where="update")
+        before = [p.detach().clone() for p in params]
+        torch.manual_seed(100 + rank)  # different data per rank
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(16, 6)).pow(2).mean().backward()
+            opt.step()
+        delta = [p.detach() - b for p, b in zip(params, before)]
+        torch.save({"params": [p.detach() for p in params], "err": mem.orthogonality_error(delta)}, f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_projection_under_ddp_is_identical_on_all_ranks(tmp_path):
+    mp.spawn(_projection_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    assert r0["err"] <= 1e-5
+
+
+def _projection_sharded_worker(rank, world, init_file, result_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from adept_ext.projection import GradientMemory
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full_params, full_dirs, full_grads = _sharding_data()
+        shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
+        params = [torch.nn.Parameter(shard(p)) for p in full_params]
+        mem = GradientMemory(params, max_directions=3)
+        mem.add([[shard(t) for t in d] for d in full_dirs])
+        grads = [shard(g.clone()) for g in full_grads]
+        mem.project_(grads)
+        torch.save([g.full_tensor() for g in grads], f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharding_data():
+    torch.manual_seed(3)
+    shapes = [(8, 5), (6,), (4, 3)]
+    return ([torch.randn(s) for s in shapes], [[torch.randn(s) for s in shapes] for _ in range(3)],
+            [torch.randn(s) for s in shapes])
+
+
+def test_projection_with_sharded_parameters_all_reduces_partial_sums(tmp_path):
+    from adept_ext.projection import GradientMemory
+
+    mp.spawn(_projection_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    params, dirs, grads = _sharding_data()
+    single = GradientMemory([torch.nn.Parameter(p) for p in params], max_directions=3)
+    single.add(dirs)
+    single.project_(grads)
+    for a, b, want in zip(r0, r1, grads):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
