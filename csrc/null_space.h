@@ -8,7 +8,7 @@
 namespace adept_ext {
 
 // Elements per work item of the projection kernels.
-constexpr int64_t kProjChunk = 4096;
+constexpr int64_t kProjChunk = 8192;
 
 inline bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 

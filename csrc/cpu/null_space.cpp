@@ -26,14 +26,51 @@ float dot_chunk(const A* a, const B* b, int64_t n) {
   return s;
 }
 
+// out[r] = <rows[r][0:n], g[0:n]> for 4 rows at once (g loaded once per 4 rows).
+template <typename TQ, typename TG>
+void dot4_chunk(const TQ* const rows[4], const TG* g, int64_t n, float out[4]) {
+  constexpr int64_t W = Vec::size();
+  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+  int64_t e = 0;
+  for (; e + W <= n; e += W) {
+    const Vec gv = load_float(g + e);
+    s0 = at::vec::fmadd(load_float(rows[0] + e), gv, s0);
+    s1 = at::vec::fmadd(load_float(rows[1] + e), gv, s1);
+    s2 = at::vec::fmadd(load_float(rows[2] + e), gv, s2);
+    s3 = at::vec::fmadd(load_float(rows[3] + e), gv, s3);
+  }
+  const Vec* acc[4] = {&s0, &s1, &s2, &s3};
+  for (int r = 0; r < 4; ++r) {
+    out[r] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, *acc[r]);
+    for (int64_t t = e; t < n; ++t) out[r] += static_cast<float>(rows[r][t]) * static_cast<float>(g[t]);
+  }
+}
+
+// acc[0:n] += Σ_r c[r] * rows[r][0:n] for up to 4 rows (acc read and written once per 4 rows).
+template <typename T>
+void axpy4_chunk(const float* c, const T* const rows[4], int m, float* acc, int64_t n) {
+  constexpr int64_t W = Vec::size();
+  const Vec c0(c[0]), c1(m > 1 ? c[1] : 0.f), c2(m > 2 ? c[2] : 0.f), c3(m > 3 ? c[3] : 0.f);
+  const T* r1 = rows[m > 1 ? 1 : 0];
+  const T* r2 = rows[m > 2 ? 2 : 0];
+  const T* r3 = rows[m > 3 ? 3 : 0];
+  int64_t e = 0;
+  for (; e + W <= n; e += W) {
+    Vec a = at::vec::fmadd(c0, load_float(rows[0] + e), Vec::loadu(acc + e));
+    a = at::vec::fmadd(c1, load_float(r1 + e), a);
+    a = at::vec::fmadd(c2, load_float(r2 + e), a);
+    a = at::vec::fmadd(c3, load_float(r3 + e), a);
+    a.store(acc + e);
+  }
+  for (; e < n; ++e)
+    for (int r = 0; r < m; ++r) acc[e] += c[r] * static_cast<float>(rows[r][e]);
+}
+
 // acc[0:n] += c * x[0:n]
 template <typename T>
 void axpy_chunk(float c, const T* x, float* acc, int64_t n) {
-  constexpr int64_t W = Vec::size();
-  const Vec vc(c);
-  int64_t e = 0;
-  for (; e + W <= n; e += W) at::vec::fmadd(vc, load_float(x + e), Vec::loadu(acc + e)).store(acc + e);
-  for (; e < n; ++e) acc[e] += c * static_cast<float>(x[e]);
+  const T* rows[4] = {x, x, x, x};
+  axpy4_chunk(&c, rows, 1, acc, n);
 }
 
 // Calls fn(q_tag, g_tag) with typed null pointers for the dtypes of one (basis, grad) pair.
@@ -79,7 +116,14 @@ at::Tensor null_space_coeffs_cpu(at::TensorList basis, at::TensorList grads) {
         using TG = std::remove_pointer_t<decltype(g_tag)>;
         const TQ* q = ch.a[i].const_data_ptr<TQ>();
         const TG* g = ch.b[i].const_data_ptr<TG>() + s;
-        for (int64_t j = 0; j < k; ++j) partial[c * k + j] = dot_chunk(q + j * numels[i] + s, g, n);
+        for (int64_t j = 0; j < k; j += 4) {
+          const int m = static_cast<int>(std::min<int64_t>(4, k - j));
+          const TQ* rows[4];
+          for (int r = 0; r < 4; ++r) rows[r] = q + (j + std::min(r, m - 1)) * numels[i] + s;
+          float out[4];
+          dot4_chunk(rows, g, n, out);
+          for (int r = 0; r < m; ++r) partial[c * k + j + r] = out[r];
+        }
       });
     }
   });
@@ -111,7 +155,12 @@ void null_space_apply_cpu(at::TensorList basis, at::TensorList grads, const at::
         const TQ* q = ch.a[i].const_data_ptr<TQ>();
         TG* g = grads[i].data_ptr<TG>() + s;
         std::fill(acc.begin(), acc.begin() + n, 0.f);
-        for (int64_t j = 0; j < k; ++j) axpy_chunk(cf[j], q + j * numels[i] + s, acc.data(), n);
+        for (int64_t j = 0; j < k; j += 4) {
+          const int m = static_cast<int>(std::min<int64_t>(4, k - j));
+          const TQ* rows[4];
+          for (int r = 0; r < 4; ++r) rows[r] = q + (j + std::min(r, m - 1)) * numels[i] + s;
+          axpy4_chunk(&cf[j], rows, m, acc.data(), n);
+        }
         for (int64_t e = 0; e < n; ++e) g[e] = static_cast<TG>(static_cast<float>(g[e]) - acc[e]);
       });
     }
