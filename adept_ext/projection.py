@@ -154,9 +154,10 @@ class GradientMemory(_Memory):
     ValueError unless `policy="svd"`: then the memory keeps the `max_directions` directions of
     largest singular value of [Q·diag(s), r] (s = the residual norm each direction had when it
     was added; since r ⟂ Q that SVD is diagonal, as in GPM's energy criterion).
-    `project_(grads)` applies g ← g − Q(Qᵀg) in place. With a float32 basis ‖Qᵀg′‖ ≤ 1e-6·‖g‖;
-    a bfloat16 basis halves the memory but is orthonormal only to about 1e-2, so projections
-    then leave about 1e-2 of the protected component.
+    `project_(grads)` applies g ← g − Q(Qᵀg) in place. With a float32 basis ‖Qᵀg′‖ ≤ 1e-6·‖g‖
+    (measured 2e-8 on 50k elements, k = 16). A bfloat16 basis halves the memory; its rows are
+    the float32 Gram–Schmidt result rounded to bfloat16 (2⁻⁹ relative per element), so they are
+    orthonormal only approximately: ‖Qᵀg′‖/‖g‖ was 3e-7 on 50k elements and 2e-4 on 76.
     """
 
     def __init__(self, params, max_directions: int, dtype=torch.float32, tol: float = 1e-4, policy: str = "error",

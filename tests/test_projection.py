@@ -132,6 +132,16 @@ def test_memory_gram_schmidt_orthonormal_and_projection(device):
     assert mem.orthogonality_error(g) <= 1e-6 and (q @ flat(g)).norm() <= 1e-6 * norm
 
 
+def test_bfloat16_basis_memory(device):
+    params = make_params(device)
+    mem = GradientMemory(params, max_directions=6, dtype=torch.bfloat16)
+    mem.add([[torch.randn_like(p) for p in params] for _ in range(6)])
+    assert mem.basis[0].dtype == torch.bfloat16 and mem.k == 6
+    g = [torch.randn_like(p) for p in params]
+    mem.project_(g)
+    assert mem.orthogonality_error(g) <= 2 ** -9  # bfloat16 rounding of the rows (76 elements here)
+
+
 def test_dependent_and_zero_directions_are_dropped_and_reported(device):
     params = make_params(device)
     mem = GradientMemory(params, max_directions=8)
