@@ -1,4 +1,5 @@
 # make setup: idempotent; creates .venv, installs the pinned dependencies, builds the extension.
+# make demo:  setup, then the main job on the embedded default (SmolLM2-135M, BBC News -> Python docs).
 # make test:  setup, then the test suite.   make bench: setup, then the benchmarks.
 PYTHON ?= python3
 VENV := .venv
@@ -6,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.adept-ext-built
 SOURCES := setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: setup test bench clean
+.PHONY: setup test bench demo clean
 
 setup: $(STAMP)
 
@@ -22,6 +23,9 @@ test: setup
 
 bench: setup
 	$(PY) tools/bench.py all --json bench-results/bench.json
+
+demo: setup
+	$(PY) -m adept_ext run --out runs/demo --overwrite
 
 clean:
 	rm -rf build *.egg-info adept_ext/*.so $(STAMP)

@@ -83,4 +83,5 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.9",
     install_requires=["torch>=2.8", "numpy"],
+    entry_points={"console_scripts": ["adept-ext = adept_ext.cli:main"]},
 )

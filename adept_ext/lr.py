@@ -40,13 +40,14 @@ class DecoupledLR:
         if not 0 <= floor <= 2:
             raise ValueError(f"floor must be in [0, 2], got {floor}")
         self.optimizer, self.importance, self.every, self.floor = optimizer, importance, every, floor
-        by_unit = {g.get("adept_unit"): g for g in optimizer.param_groups if g.get("adept_unit")}
+        by_unit = {g.get("adept_unit"): i for i, g in enumerate(optimizer.param_groups) if g.get("adept_unit")}
         names = [u.name for u in importance.units]
         missing = [n for n in names if n not in by_unit]
         if missing:
             raise ValueError(f"unit {missing[0]} has no param group of its own ({len(missing)} missing): "
                              "build the optimizer from adept_ext.lr.param_groups(model, lr)")
-        self._groups = [by_unit[n] for n in names]
+        # Indices, not the group dicts: optimizer.load_state_dict replaces the dicts.
+        self._group_index = [by_unit[n] for n in names]
         self.steps = 0
         self.recomputes = 0
         self.scores = importance.compute(use_source=True)
@@ -63,6 +64,10 @@ class DecoupledLR:
         m = self.multipliers
         return sum(m) / len(m)
 
+    @property
+    def _groups(self) -> List[Dict]:
+        return [self.optimizer.param_groups[i] for i in self._group_index]
+
     def rates(self) -> Dict[str, float]:
         """Current learning rate of every unit (the group's scheduled lr × its multiplier)."""
         return {u.name: g["lr"] * m for u, g, m in zip(self.importance.units, self._groups, self.multipliers)}
@@ -72,8 +77,9 @@ class DecoupledLR:
         self.recomputes += 1
 
     def _apply(self, optimizer, args, kwargs):
-        self._saved = [g["lr"] for g in self._groups]
-        for g, m in zip(self._groups, self.multipliers):
+        groups = self._groups
+        self._saved = [g["lr"] for g in groups]
+        for g, m in zip(groups, self.multipliers):
             g["lr"] = g["lr"] * m
 
     def _restore(self, optimizer, args, kwargs):

@@ -50,3 +50,22 @@ def plot_unit_rates(units, values: List[float], path, title: str = "per-unit lea
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_loss_curves(history: Dict, base: Dict, path, title: str = "loss"):
+    """Training loss per step and held-out general/domain loss at each evaluation (base as step 0)."""
+    plt = _pyplot()
+    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    train_ax.plot([h["step"] for h in history["train"]], [h["loss"] for h in history["train"]], lw=1)
+    train_ax.set_xlabel("step")
+    train_ax.set_ylabel("training loss (domain)")
+    steps = [0] + [e["step"] for e in history["eval"]]
+    for key, label in (("general_loss", "general (held out)"), ("domain_loss", "domain (held out)")):
+        eval_ax.plot(steps, [base[key]] + [e[key] for e in history["eval"]], marker="o", label=label)
+    eval_ax.set_xlabel("step")
+    eval_ax.set_ylabel("held-out loss")
+    eval_ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

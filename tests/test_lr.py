@@ -89,3 +89,13 @@ def test_needs_one_group_per_unit():
         DecoupledLR(opt, imp)
     with pytest.raises(ValueError, match="every"):
         DecoupledLR(torch.optim.AdamW(param_groups(model, 1e-3)), imp, every=0)
+
+
+def test_rates_survive_optimizer_load_state_dict():
+    # optimizer.load_state_dict replaces the param-group dicts: the multipliers must follow them
+    model, opt, dec = setup(lr=1e-2)
+    opt.load_state_dict(opt.state_dict())
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([g["lr"] for g in o.param_groups]))
+    train_step(model, opt, padded_batches(n_batches=1)[0])  # DecoupledLR's hook runs first (registered first)
+    assert [round(lr, 12) for lr in seen[0]] == [round(1e-2 * m, 12) for m in dec.multipliers]

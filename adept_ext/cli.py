@@ -1,0 +1,159 @@
+"""The `adept-ext` command (also `python -m adept_ext`).
+
+    adept-ext run    [options]   probe, expand, train, evaluate, report (all stages)
+    adept-ext train  [options]   the same pipeline (an already expanded --model is trained as it is)
+    adept-ext probe  [options]   layer importance of --model on --general -> JSON + PNG
+    adept-ext expand [options]   probe + expand the k least important layers -> HF checkpoint
+    adept-ext eval   [options]   held-out general and domain loss of --model -> JSON
+
+Options come from flags and from a TOML file (--config FILE, flat `option = value` pairs using
+the flag names with underscores); flags override the file.
+"""
+import argparse
+import json
+import sys
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+from .train import METHODS, RunConfig, RunError, config_from
+
+HELP = {
+    "model": "local HF checkpoint directory or embedded model name (smollm2-135m)",
+    "general": "general-domain corpus: text file, folder, JSONL with 'text', or bbc-news / python-docs",
+    "domain": "domain corpus to adapt to (same forms as --general)",
+    "out": "output directory",
+    "method": "adaptation method: " + ", ".join(METHODS),
+    "k": "number of layers to expand (adept, llama_pro) or train (adept_no_expand)",
+    "block_len": "tokens per block",
+    "batch_size": "blocks per micro-batch",
+    "grad_accum": "micro-batches per optimizer step",
+    "steps": "optimizer steps",
+    "lr": "base learning rate (AdamW)",
+    "warmup_steps": "linear warmup steps before the cosine decay",
+    "weight_decay": "AdamW weight decay",
+    "max_grad_norm": "gradient clipping norm (0 = off)",
+    "probe_blocks": "general blocks used to probe layers and score units",
+    "eval_blocks": "held-out blocks per corpus for evaluation",
+    "eval_every": "held-out evaluation every N steps (0 = only at the end)",
+    "save_every": "checkpoint every N steps (0 = never)",
+    "recompute_every": "ADEPT: recompute unit importance every N steps",
+    "normalize": "ADEPT: unit-importance normalisation: rank, per_kind or global",
+    "boundary": "freeze_deep: train layers [0, N) (0 = first half)",
+    "lora_rank": "LoRA rank (method lora)",
+    "seed": "random seed (data split and order)",
+    "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
+    "device": "auto, cpu or cuda",
+    "resume": "continue the run in --out from its last checkpoint",
+    "overwrite": "replace an existing run in --out",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adept-ext", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    defaults = RunConfig()
+    for name in ("run", "train", "probe", "expand", "eval"):
+        p = sub.add_parser(name, help=__doc__.split(f"adept-ext {name}")[1].split("\n")[0].split("  ")[-1].strip())
+        p.add_argument("--config", metavar="FILE", help="TOML file with options (flags override it)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        for f in fields(RunConfig):
+            flag = "--" + f.name.replace("_", "-")
+            default = getattr(defaults, f.name)
+            if isinstance(default, bool):
+                p.add_argument(flag, action="store_true", default=None, help=HELP[f.name])
+            else:
+                p.add_argument(flag, type=type(default), default=None, metavar=type(default).__name__.upper(),
+                               help=f"{HELP[f.name]} (default: {default})")
+    return parser
+
+
+def resolve_config(args) -> RunConfig:
+    values = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise RunError(f"--config {path}: no such file")
+        try:
+            values.update(tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as e:
+            raise RunError(f"--config {path}: {e}") from e
+    values.update({f.name: getattr(args, f.name) for f in fields(RunConfig) if getattr(args, f.name) is not None})
+    return config_from(values)
+
+
+def _probe_or_expand(cfg, command, progress):
+    from .data import batches, load_texts, split_blocks, token_blocks
+    from .expand import expand_layers
+    from .models import load_model
+    from .probe import layer_importance
+    from .train import _check_out, _device, _prepare_out
+
+    _check_out(cfg)
+    try:
+        model, tokenizer = load_model(cfg.model, device=_device(cfg))
+        train, _ = split_blocks(token_blocks(load_texts(cfg.general), tokenizer, cfg.block_len), 0.1, cfg.seed)
+    except (FileNotFoundError, ValueError) as e:
+        raise RunError(str(e)) from e
+    out = _prepare_out(cfg)
+    probe = batches({k: v[:cfg.probe_blocks] for k, v in train.items()}, cfg.batch_size)
+    scores = layer_importance(model, probe, progress=progress)
+    chosen = scores.select(min(cfg.k, len(scores.scores)))
+    scores.to_json(out / "layer_importance.json")
+    scores.plot(out / "layer_importance.png", highlight=chosen)
+    print(f"layer importance (Δloss when bypassed) on {scores.tokens} tokens; least important: {chosen}; "
+          f"written to {out / 'layer_importance.json'} and .png")
+    if command == "expand":
+        trainable = expand_layers(model, chosen)
+        model.save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
+        print(f"expanded model ({model.config.num_hidden_layers} layers, {sum(p.numel() for p in trainable) / 1e6:.1f}M "
+              f"trainable) written to {out / 'model'}")
+
+
+def _evaluate(cfg, progress):
+    from .models import load_model
+    from .train import Corpora, _check_out, _device, _prepare_out, evaluate
+
+    _check_out(cfg)
+    device = _device(cfg)
+    try:
+        model, tokenizer = load_model(cfg.model, device=device)
+        corpora = Corpora(cfg, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise RunError(str(e)) from e
+    out = _prepare_out(cfg)
+    result = {"model": cfg.model, "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
+              "domain_loss": evaluate(model, corpora.domain_eval, device, "eval domain", progress)}
+    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    print(f"general loss {result['general_loss']:.4f}, domain loss {result['domain_loss']:.4f}; written to {out / 'eval.json'}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    progress = not args.no_progress
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    try:
+        cfg = resolve_config(args)
+        if args.command in ("run", "train"):
+            from .train import run
+
+            run(cfg, progress=progress)
+        elif args.command in ("probe", "expand"):
+            _probe_or_expand(cfg, args.command, progress)
+        else:
+            _evaluate(cfg, progress)
+    except RunError as e:
+        print(f"adept-ext: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The main job end to end on a tiny real model with the SmolLM2 tokenizer and real text."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from adept_ext import data
+from adept_ext.cli import main
+from adept_ext.models import load_model
+from adept_ext.train import METHODS, RunError, config_from, run
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    tokenizer = load_model("smollm2-135m")[1]
+    model = tiny_model("llama", layers=4, vocab=len(tokenizer))
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    (root / "general").mkdir()
+    for i, text in enumerate(data.load_texts("bbc-news")[:12]):
+        (root / "general" / f"{i}.txt").write_text(text)
+    (root / "domain.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in data.load_texts("python-docs")[:6]))
+    return root
+
+
+def options(ws, out, **kw):
+    base = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"), out=str(ws / out),
+                k=2, block_len=32, batch_size=2, steps=4, warmup_steps=1, probe_blocks=4, eval_blocks=4, eval_every=2,
+                save_every=2, recompute_every=2, lr=1e-3)
+    base.update(kw)
+    return config_from(base)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_runs_and_saves_a_plain_hf_model(workspace, method):
+    report = run(options(workspace, f"out-{method}", method=method), progress=False, log=lambda *a: None)
+    out = workspace / f"out-{method}"
+    assert (out / "report.json").exists() and (out / "report.md").exists() and (out / "loss_curves.png").exists()
+    assert not (out / "checkpoint.pt").exists()
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["method"] == method and 0 < saved["trainable_fraction"] <= 1
+    assert saved["final"]["domain_loss"] != saved["base"]["domain_loss"]
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    expect_layers = 6 if method in ("adept", "llama_pro", "adept_uniform_lr") else 4
+    assert model.config.num_hidden_layers == expect_layers
+    if method == "adept":
+        assert (out / "unit_rates.png").exists() and (out / "layer_importance.png").exists()
+        assert model.config.adept["expanded_layers"] == [l + 1 + i for i, l in enumerate(report["layers"])]
+    if method == "lora":
+        assert not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_adept_keeps_original_weights_frozen(workspace):
+    run(options(workspace, "frozen"), progress=False, log=lambda *a: None)
+    base = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    expanded = AutoModelForCausalLM.from_pretrained(workspace / "frozen" / "model")
+    layers = expanded.config.adept["expanded_layers"]
+    originals = [l for i, l in enumerate(expanded.model.layers) if i not in layers]
+    for a, b in zip(base.model.layers, originals):
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("method", ["adept", "adept_uniform_lr", "full"])
+def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, method):
+    full = run(options(workspace, f"uninterrupted-{method}", steps=6, eval_every=3, method=method), progress=False, log=lambda *a: None)
+    import adept_ext.train as train_module
+
+    real_evaluate = train_module.evaluate
+    calls = {"n": 0}
+
+    def interrupting(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # base general, base domain, then the first mid-run evaluation (step 3)
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        run(options(workspace, f"killed-{method}", steps=6, eval_every=3, method=method), progress=False, log=lambda *a: None)
+    assert (workspace / f"killed-{method}" / "checkpoint.pt").exists()
+    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    resumed = run(options(workspace, f"killed-{method}", steps=6, eval_every=3, method=method, resume=True), progress=False, log=lambda *a: None)
+    assert resumed["final"]["domain_loss"] == pytest.approx(full["final"]["domain_loss"], rel=1e-5)
+    assert resumed["final"]["general_loss"] == pytest.approx(full["final"]["general_loss"], rel=1e-5)
+    assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx([h["loss"] for h in full["history"]["train"]], rel=1e-5)
+
+
+def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    opts = options(workspace, "cli")
+    cfg.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in vars(opts).items() if k not in ("resume", "overwrite")))
+    assert main(["run", "--config", str(cfg), "--method", "freeze_deep", "--no-progress"]) == 0
+    report = json.loads((workspace / "cli" / "report.json").read_text())
+    assert report["method"] == "freeze_deep" and report["config"]["block_len"] == 32
+    assert main(["run", "--config", str(cfg), "--no-progress"]) == 2
+    assert "already holds files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--model", "no-such-model"], "neither an embedded model"),
+    (["run", "--method", "magic"], "unknown method"),
+    (["run", "--steps", "0"], "steps must be >= 1"),
+    (["run", "--config", "/nonexistent.toml"], "no such file"),
+    (["run", "--k", "99"], "not in [1, 4]"),
+    (["run", "--batch-size", "100000000"], "lower --batch-size"),
+])
+def test_cli_errors_are_one_line_and_exit_2(workspace, tmp_path, capsys, argv, message):
+    argv = argv + ["--out", str(tmp_path / "o"), "--no-progress"]
+    if "--model" not in argv:
+        argv += ["--model", str(workspace / "tiny"), "--general", str(workspace / "general"),
+                 "--domain", str(workspace / "domain.jsonl"), "--block-len", "32"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0] and errors[0].startswith("adept-ext: error: ")
+
+
+def test_empty_corpus_is_an_error(workspace, tmp_path):
+    (tmp_path / "empty.txt").write_text("   ")
+    with pytest.raises(RunError, match="holds no text"):
+        run(options(workspace, "empty", general=str(tmp_path / "empty.txt")), progress=False)
+    assert not (workspace / "empty").exists()  # nothing written
+
+
+def test_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--method", "--k", "--lr", "--steps", "--resume", "--overwrite", "--config", "--recompute-every"):
+        assert flag in text
+    assert "(default: adept)" in text and "(default: 0.0003)" in text
