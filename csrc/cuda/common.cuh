@@ -1,11 +1,24 @@
 // Device helpers shared by the CUDA kernels.
 #pragma once
+#include <ATen/ATen.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 namespace adept_ext {
 
 constexpr int kWarp = 32;
+
+// Element types of the multi-tensor kernels, passed to the device in per-tensor metadata.
+enum DtypeCode : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline int64_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kF32;
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    default: TORCH_CHECK(false, "adept_ext: unsupported dtype ", t);
+  }
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

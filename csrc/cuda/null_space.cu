@@ -21,24 +21,12 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarp;
 
-enum Code : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-int64_t code_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kBFloat16: return kBF16;
-    case at::kHalf: return kF16;
-    default: TORCH_CHECK(false, "null_space: unsupported dtype ", t);
-  }
-}
-
 // Per-tensor metadata in one int64 buffer: [ptr_a x n | ptr_b x n | numel x n | code x n | first x (n+1)],
 // code = dtype(a) | dtype(b) << 4.
 struct Meta {
   const int64_t* base;
   int64_t n;
   __device__ const void* a(int64_t i) const { return reinterpret_cast<const void*>(base[i]); }
-  __device__ void* a_mut(int64_t i) const { return reinterpret_cast<void*>(base[i]); }
   __device__ const void* b(int64_t i) const { return reinterpret_cast<const void*>(base[n + i]); }
   __device__ int64_t numel(int64_t i) const { return base[2 * n + i]; }
   __device__ int64_t code(int64_t i) const { return base[3 * n + i]; }
@@ -69,7 +57,7 @@ Launch make_meta(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>
     h[i] = reinterpret_cast<int64_t>(a[i].const_data_ptr());
     h[n + i] = reinterpret_cast<int64_t>(b[i].const_data_ptr());
     h[2 * n + i] = numels[i];
-    h[3 * n + i] = code_of(a[i].scalar_type()) | (code_of(b[i].scalar_type()) << 4);
+    h[3 * n + i] = dtype_code(a[i].scalar_type()) | (dtype_code(b[i].scalar_type()) << 4);
   }
   std::copy(first.begin(), first.end(), h + 4 * n);
   Launch l;

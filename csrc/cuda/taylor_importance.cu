@@ -20,17 +20,6 @@ namespace {
 constexpr int kChunkThreads = 512;
 constexpr int kFinalThreads = 256;
 
-enum DtypeCode : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-int64_t dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kBFloat16: return kBF16;
-    case at::kHalf: return kF16;
-    default: TORCH_CHECK(false, "taylor_importance: unsupported dtype ", t);
-  }
-}
-
 // Metadata of n tensors in one int64 buffer (one host-to-device copy per call):
 // [ptr_p x n | ptr_g x n | numel x n | code x n | first_chunk x (n+1)],
 // code = dtype(p) | dtype(g) << 4 | both-16-byte-aligned << 8.
