@@ -105,6 +105,13 @@ def _use_bf16(cfg, device) -> bool:
     return cfg.bf16 == "on" or (cfg.bf16 == "auto" and supported)
 
 
+def _umask_mode(mode: int) -> int:
+    """`mode` as the process umask would leave it (temporary files are created private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def _atomic_write(path: Path, write):
     """Write through a temporary file in the same folder and rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +119,7 @@ def _atomic_write(path: Path, write):
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, _umask_mode(0o666))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -446,6 +454,7 @@ def _atomic_dir(path: Path, write):
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         write(tmp)
+        os.chmod(tmp, _umask_mode(0o777))
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

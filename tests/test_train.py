@@ -40,6 +40,7 @@ def test_every_method_runs_and_saves_a_plain_hf_model(workspace, method):
     out = workspace / f"out-{method}"
     assert (out / "report.json").exists() and (out / "report.md").exists() and (out / "loss_curves.png").exists()
     assert not (out / "checkpoint.pt").exists()
+    assert (out / "report.json").stat().st_mode & 0o044 and (out / "model").stat().st_mode & 0o055  # umask 022
     saved = json.loads((out / "report.json").read_text())
     assert saved["method"] == method and 0 < saved["trainable_fraction"] <= 1
     assert saved["final"]["domain_loss"] != saved["base"]["domain_loss"]
