@@ -184,7 +184,6 @@ class Corpora:
         self.general_eval = data.batches(limit(g_held, cfg.eval_blocks), cfg.batch_size)
         self.domain_eval = data.batches(limit(d_held, cfg.eval_blocks), cfg.batch_size)
         self.domain_train = data.batches(d_train, cfg.batch_size)
-        self.domain_train_blocks = d_train["input_ids"].shape[0]
 
 
 @dataclass
@@ -199,55 +198,49 @@ class Prepared:
     peft_model: Optional[torch.nn.Module] = None        # the PEFT wrapper (lora), merged before saving
 
 
+def _train_only(model, params) -> List[torch.nn.Parameter]:
+    """Freeze every parameter of `model` except `params`; returns them as a list."""
+    params = list(params)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
 def prepare(model, cfg, corpora, layers=None, progress=True) -> Prepared:
-    """Set up `cfg.method` on `model` (in place). `layers` replays a earlier choice (resume)."""
+    """Set up `cfg.method` on `model` (in place). `layers` replays an earlier choice (resume).
+    A model that is already expanded (config.adept) keeps its copies for adept/adept_uniform_lr."""
     ad = adapter(model)
     n = ad.num_layers
     scores, peft_model = None, None
-    if cfg.method in ("adept", "adept_no_expand", "adept_uniform_lr") and layers is None and not (
-            cfg.method != "adept_no_expand" and getattr(model.config, "adept", None)):
+    existing = (getattr(model.config, "adept", None) or {}).get("expanded_layers")
+    reuse_copies = cfg.method in ("adept", "adept_uniform_lr") and bool(existing)
+    if cfg.method in ("adept", "adept_no_expand", "adept_uniform_lr") and layers is None and not reuse_copies:
         scores = layer_importance(model, corpora.general_probe, progress=progress)
         layers = scores.select(cfg.k)
-    if cfg.method == "llama_pro":
-        layers = [round((i + 1) * n / cfg.k) - 1 for i in range(cfg.k)]  # uniform, as LLaMA-Pro
-    existing = (getattr(model.config, "adept", None) or {}).get("expanded_layers")
-    if cfg.method in ("adept", "adept_uniform_lr") and existing:  # an already expanded model: train its copies
+    if reuse_copies:
         layers = list(existing)
-        trainable = expand_layers(model, [])
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for p in trainable:
-            p.requires_grad_(True)
+        trainable = _train_only(model, expand_layers(model, []))
     elif cfg.method in ("adept", "adept_uniform_lr", "llama_pro"):
+        if cfg.method == "llama_pro":
+            layers = [round((i + 1) * n / cfg.k) - 1 for i in range(cfg.k)]  # uniform, as LLaMA-Pro
         trainable = expand_layers(model, layers)
     elif cfg.method == "adept_no_expand":
-        for p in model.parameters():
-            p.requires_grad_(False)
         model.config.adept = {"expanded_layers": list(layers), "source_layers": list(layers)}
-        trainable = [p for l in layers for p in ad.layers[l].parameters()]
-        for p in trainable:
-            p.requires_grad_(True)
+        trainable = _train_only(model, (p for l in layers for p in ad.layers[l].parameters()))
     elif cfg.method == "freeze_deep":
-        boundary = cfg.boundary or n // 2
-        layers = list(range(boundary))
-        for p in model.parameters():
-            p.requires_grad_(False)
-        trainable = [p for l in layers for p in ad.layers[l].parameters()]
-        for p in trainable:
-            p.requires_grad_(True)
+        layers = list(range(cfg.boundary or n // 2))
+        trainable = _train_only(model, (p for l in layers for p in ad.layers[l].parameters()))
     elif cfg.method == "full":
-        trainable = list(model.parameters())
-        for p in trainable:
-            p.requires_grad_(True)
-        layers = []
+        layers, trainable = [], _train_only(model, model.parameters())
     else:  # lora
         from peft import LoraConfig, get_peft_model
 
         peft_model = get_peft_model(model, LoraConfig(
             r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        trainable = [p for p in peft_model.parameters() if p.requires_grad]
-        layers = []
+        layers, trainable = [], [p for p in peft_model.parameters() if p.requires_grad]
     importance = None
     if cfg.method in ("adept", "adept_no_expand"):
         groups = param_groups(model, cfg.lr, cfg.weight_decay)

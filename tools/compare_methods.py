@@ -36,12 +36,17 @@ def main():
                      "base": report["base"], "final": report["final"],
                      "mean_lr_multiplier": report.get("unit_rates", {}).get("mean_multiplier")})
         print(json.dumps(rows[-1]))
+        write_results(args, rows)
+    print(f"wrote {Path(args.results).with_suffix('.md')} and {Path(args.results).with_suffix('.json')}")
+
+
+def write_results(args, rows):
     budget = {"steps": args.steps, "batch": "4 x 128 tokens", "tokens": args.steps * 4 * 128, "lr": args.lr,
               "seed": args.seed, "k": args.k, "model": "smollm2-135m", "general": "bbc-news", "domain": "python-docs"}
     path = Path(args.results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"budget": budget, "methods": rows}, indent=2))
-    lines = [f"# Method comparison on the embedded default", "",
+    lines = ["# Method comparison on the embedded default", "",
              f"SmolLM2-135M, general = BBC News (held out), domain = Python docs (held out); {args.steps} steps of "
              f"4 x 128 tokens ({budget['tokens']} tokens), AdamW lr {args.lr} (warmup + cosine), seed {args.seed}, k = {args.k}.",
              "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is better).", "",
@@ -50,7 +55,6 @@ def main():
     lines += [f"| {r['method']} | {r['general_delta']:+.4f} | {r['domain_delta']:+.4f} | {r['trainable_fraction']:.1%} | "
               f"{r['wall_seconds']} | {r['layers']} |" for r in rows]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {path.with_suffix('.md')} and {path.with_suffix('.json')}")
 
 
 if __name__ == "__main__":
