@@ -7,7 +7,6 @@ trainable fraction and wall time per method. About 35-45 minutes on 2 CPU cores.
 """
 import argparse
 import json
-import time
 from pathlib import Path
 
 from adept_ext.train import METHODS, config_from, run
@@ -22,17 +21,23 @@ def main():
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default="runs/compare", help="run directories (one per method)")
     parser.add_argument("--results", default="docs/results/compare", help="path prefix of the .md and .json results")
+    parser.add_argument("--collect", action="store_true",
+                        help="run nothing: tabulate the finished runs found in --out")
     args = parser.parse_args()
     rows = []
     for method in args.methods.split(","):
-        started = time.time()
-        report = run(config_from(dict(method=method, steps=args.steps, lr=args.lr, seed=args.seed, k=args.k,
-                                      warmup_steps=max(1, args.steps // 10), eval_every=0, save_every=0,
-                                      out=f"{args.out}/{method}-lr{args.lr}-s{args.seed}", overwrite=True)),
-                     progress=False)
+        out = Path(f"{args.out}/{method}-lr{args.lr}-s{args.seed}")
+        if args.collect:
+            if not (out / "report.json").exists():
+                continue
+            report = json.loads((out / "report.json").read_text())
+        else:
+            report = run(config_from(dict(method=method, steps=args.steps, lr=args.lr, seed=args.seed, k=args.k,
+                                          warmup_steps=max(1, args.steps // 10), eval_every=0, save_every=0,
+                                          out=str(out), overwrite=True)), progress=False)
         rows.append({"method": method, "general_delta": report["forgetting_general_delta"],
                      "domain_delta": -report["gain_domain_delta"], "trainable_fraction": report["trainable_fraction"],
-                     "wall_seconds": round(time.time() - started, 1), "layers": report["layers"],
+                     "wall_seconds": report["wall_seconds"], "layers": report["layers"],
                      "base": report["base"], "final": report["final"],
                      "mean_lr_multiplier": report.get("unit_rates", {}).get("mean_multiplier")})
         print(json.dumps(rows[-1]))
