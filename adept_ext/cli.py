@@ -25,6 +25,7 @@ HELP = {
     "out": "output directory",
     "method": "adaptation method: " + ", ".join(METHODS),
     "k": "number of layers to expand (adept, llama_pro) or train (adept_no_expand)",
+    "layers": "comma-separated layers to expand or train instead of the method's choice (overrides k)",
     "block_len": "tokens per block",
     "batch_size": "blocks per micro-batch",
     "grad_accum": "micro-batches per optimizer step",

@@ -33,6 +33,7 @@ from .report import plot_loss_curves, plot_unit_rates
 from .units import UnitImportance
 
 METHODS = ("adept", "full", "llama_pro", "freeze_deep", "lora", "adept_no_expand", "adept_uniform_lr")
+LAYER_METHODS = ("adept", "llama_pro", "adept_no_expand", "adept_uniform_lr")  # methods that take k / --layers
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -47,6 +48,7 @@ class RunConfig:
     out: str = "runs/demo"            # output directory
     method: str = "adept"             # one of METHODS
     k: int = 4                        # layers to expand / train (adept, llama_pro, adept_no_expand)
+    layers: str = ""                  # explicit layers to expand / train, e.g. "7,14,21,29" (overrides k)
     block_len: int = 128              # tokens per block
     batch_size: int = 4               # blocks per micro-batch
     grad_accum: int = 1               # micro-batches per optimizer step
@@ -79,6 +81,8 @@ def config_from(overrides: Dict) -> RunConfig:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise RunError(f"unknown option(s): {', '.join(unknown)}")
+    if isinstance(overrides.get("layers"), list):  # TOML: layers = [7, 14]
+        overrides = {**overrides, "layers": ",".join(map(str, overrides["layers"]))}
     cfg = RunConfig(**overrides)
     if cfg.method not in METHODS:
         raise RunError(f"unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
@@ -87,7 +91,21 @@ def config_from(overrides: Dict) -> RunConfig:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
+    if cfg.layers and cfg.method not in LAYER_METHODS:
+        raise RunError(f"--layers applies to {', '.join(LAYER_METHODS)}, not {cfg.method}")
+    explicit_layers(cfg)
     return cfg
+
+
+def explicit_layers(cfg) -> Optional[List[int]]:
+    """The --layers choice as sorted distinct indices, or None when the method chooses."""
+    if not cfg.layers:
+        return None
+    try:
+        layers = sorted({int(x) for x in cfg.layers.split(",")})
+    except ValueError:
+        raise RunError(f"--layers must be comma-separated layer indices, got {cfg.layers!r}") from None
+    return layers
 
 
 def _device(cfg) -> torch.device:
@@ -130,8 +148,11 @@ def _atomic_write(path: Path, write):
 def _check_model_args(cfg, model):
     """Options that depend on the model: k and the freeze_deep boundary."""
     n = adapter(model).num_layers
-    if cfg.method in ("adept", "llama_pro", "adept_no_expand", "adept_uniform_lr") and not 0 < cfg.k <= n:
+    if cfg.method in LAYER_METHODS and not 0 < cfg.k <= n:
         raise RunError(f"k = {cfg.k} is not in [1, {n}] for a model with {n} layers")
+    bad = [l for l in explicit_layers(cfg) or [] if not 0 <= l < n]
+    if bad:
+        raise RunError(f"--layers {bad} out of range for a model with {n} layers")
     if cfg.method == "freeze_deep" and not 0 <= cfg.boundary <= n:
         raise RunError(f"boundary {cfg.boundary} is not in [1, {n}]")
 
@@ -209,11 +230,13 @@ def _train_only(model, params) -> List[torch.nn.Parameter]:
 
 
 def prepare(model, cfg, corpora, layers=None, progress=True) -> Prepared:
-    """Set up `cfg.method` on `model` (in place). `layers` replays an earlier choice (resume).
-    A model that is already expanded (config.adept) keeps its copies for adept/adept_uniform_lr."""
+    """Set up `cfg.method` on `model` (in place). `layers` replays an earlier choice (resume), else
+    `cfg.layers` overrides the method's choice. A model that is already expanded (config.adept)
+    keeps its copies for adept/adept_uniform_lr."""
     ad = adapter(model)
     n = ad.num_layers
     scores, peft_model = None, None
+    layers = layers if layers is not None else explicit_layers(cfg)
     existing = (getattr(model.config, "adept", None) or {}).get("expanded_layers")
     reuse_copies = cfg.method in ("adept", "adept_uniform_lr") and bool(existing)
     if cfg.method in ("adept", "adept_no_expand", "adept_uniform_lr") and layers is None and not reuse_copies:
@@ -223,7 +246,7 @@ def prepare(model, cfg, corpora, layers=None, progress=True) -> Prepared:
         layers = list(existing)
         trainable = _train_only(model, expand_layers(model, []))
     elif cfg.method in ("adept", "adept_uniform_lr", "llama_pro"):
-        if cfg.method == "llama_pro":
+        if cfg.method == "llama_pro" and layers is None:
             layers = [round((i + 1) * n / cfg.k) - 1 for i in range(cfg.k)]  # uniform, as LLaMA-Pro
         trainable = expand_layers(model, layers)
     elif cfg.method == "adept_no_expand":

@@ -107,6 +107,9 @@ def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys)
     (["run", "--config", "/nonexistent.toml"], "no such file"),
     (["run", "--k", "99"], "not in [1, 4]"),
     (["run", "--batch-size", "100000000"], "lower --batch-size"),
+    (["run", "--layers", "1,7"], "--layers [7] out of range"),
+    (["run", "--layers", "1;2"], "comma-separated layer indices"),
+    (["run", "--method", "full", "--layers", "1"], "--layers applies to"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(workspace, tmp_path, capsys, argv, message):
     argv = argv + ["--out", str(tmp_path / "o"), "--no-progress"]
@@ -117,6 +120,15 @@ def test_cli_errors_are_one_line_and_exit_2(workspace, tmp_path, capsys, argv, m
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0] and errors[0].startswith("adept-ext: error: ")
+
+
+@pytest.mark.parametrize("method", ["adept", "llama_pro"])
+def test_explicit_layers_override_the_methods_choice(workspace, method):
+    report = run(options(workspace, f"layers-{method}", method=method, layers="3,0", steps=1),
+                 progress=False, log=lambda *a: None)
+    assert report["layers"] == [0, 3]
+    model = AutoModelForCausalLM.from_pretrained(workspace / f"layers-{method}" / "model")
+    assert model.config.adept["expanded_layers"] == [1, 5]  # copies right after layers 0 and 3
 
 
 def test_empty_corpus_is_an_error(workspace, tmp_path):

@@ -4,12 +4,13 @@ write docs/results/compare.md and compare.json: general Δloss (forgetting), dom
 trainable fraction and wall time per method. About 35-45 minutes on 2 CPU cores.
 
     python tools/compare_methods.py [--steps 100] [--lr 3e-4] [--seed 0] [--methods adept,full,...]
+                                    [--set probe_blocks=32 --set layers=7,14,21,29 ...]
 """
 import argparse
 import json
 from pathlib import Path
 
-from adept_ext.train import METHODS, config_from, run
+from adept_ext.train import METHODS, RunConfig, config_from, run
 
 
 def main():
@@ -19,22 +20,28 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                        help="any other run option (adept-ext run's names with underscores), for every method")
     parser.add_argument("--out", default="runs/compare", help="run directories (one per method)")
     parser.add_argument("--results", default="docs/results/compare", help="path prefix of the .md and .json results")
     parser.add_argument("--collect", action="store_true",
                         help="run nothing: tabulate the finished runs found in --out")
     args = parser.parse_args()
+    args.extra = dict(item.split("=", 1) for item in args.set)
+    suffix = "".join(f"-{key}{value}" for key, value in args.extra.items())
     rows = []
     for method in args.methods.split(","):
-        out = Path(f"{args.out}/{method}-lr{args.lr}-s{args.seed}")
+        out = Path(f"{args.out}/{method}-lr{args.lr}-s{args.seed}-k{args.k}-n{args.steps}{suffix}")
         if args.collect:
             if not (out / "report.json").exists():
                 continue
             report = json.loads((out / "report.json").read_text())
         else:
-            report = run(config_from(dict(method=method, steps=args.steps, lr=args.lr, seed=args.seed, k=args.k,
-                                          warmup_steps=max(1, args.steps // 10), eval_every=0, save_every=0,
-                                          out=str(out), overwrite=True)), progress=False)
+            options = dict(method=method, steps=args.steps, lr=args.lr, seed=args.seed, k=args.k,
+                           warmup_steps=max(1, args.steps // 10), eval_every=0, save_every=0, out=str(out), overwrite=True)
+            defaults = RunConfig()
+            options.update({key: type(getattr(defaults, key))(value) for key, value in args.extra.items()})
+            report = run(config_from(options), progress=False)
         rows.append({"method": method, "general_delta": report["forgetting_general_delta"],
                      "domain_delta": -report["gain_domain_delta"], "trainable_fraction": report["trainable_fraction"],
                      "wall_seconds": report["wall_seconds"], "layers": report["layers"],
@@ -47,13 +54,14 @@ def main():
 
 def write_results(args, rows):
     budget = {"steps": args.steps, "batch": "4 x 128 tokens", "tokens": args.steps * 4 * 128, "lr": args.lr,
-              "seed": args.seed, "k": args.k, "model": "smollm2-135m", "general": "bbc-news", "domain": "python-docs"}
+              "seed": args.seed, "k": args.k, **args.extra, "model": "smollm2-135m", "general": "bbc-news", "domain": "python-docs"}
     path = Path(args.results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"budget": budget, "methods": rows}, indent=2))
     lines = ["# Method comparison on the embedded default", "",
              f"SmolLM2-135M, general = BBC News (held out), domain = Python docs (held out); {args.steps} steps of "
-             f"4 x 128 tokens ({budget['tokens']} tokens), AdamW lr {args.lr} (warmup + cosine), seed {args.seed}, k = {args.k}.",
+             f"4 x 128 tokens ({budget['tokens']} tokens), AdamW lr {args.lr} (warmup + cosine), seed {args.seed}, k = {args.k}"
+             + "".join(f", {key} = {value}" for key, value in args.extra.items()) + ".",
              "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is better).", "",
              "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | layers |",
              "|---|---|---|---|---|---|"]
