@@ -5,6 +5,7 @@
     adept-ext probe  [options]   layer importance of --model on --general -> JSON + PNG
     adept-ext expand [options]   probe + expand the k least important layers -> HF checkpoint
     adept-ext eval   [options]   held-out general and domain loss of --model -> JSON
+    adept-ext diagnose [options]  LayerTracer logit lens + layer sensitivity + layer importance -> JSON + PNG
 
 Options come from flags and from a TOML file (--config FILE, flat `option = value` pairs using
 the flag names with underscores); flags override the file.
@@ -40,7 +41,10 @@ HELP = {
     "save_every": "checkpoint every N steps (0 = never)",
     "recompute_every": "ADEPT: recompute unit importance every N steps",
     "normalize": "ADEPT: unit-importance normalisation: rank, per_kind or global",
-    "boundary": "freeze_deep: train layers [0, N) (0 = first half)",
+    "boundary": "freeze_deep: train layers [0, b) with b = half, auto (from a LayerTracer diagnosis) or a number",
+    "diagnosis_task": "LayerTracer inputs: bbc-topic (few-shot BBC News topic classification) or context "
+                      "(general blocks, first half as context)",
+    "diagnosis_queries": "composite inputs (queries) of the LayerTracer diagnosis",
     "lora_rank": "LoRA rank (method lora)",
     "seed": "random seed (data split and order)",
     "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
@@ -55,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = RunConfig()
-    for name in ("run", "train", "probe", "expand", "eval"):
+    for name in ("run", "train", "probe", "expand", "eval", "diagnose"):
         p = sub.add_parser(name, help=__doc__.split(f"adept-ext {name}")[1].split("\n")[0].split("  ")[-1].strip())
         p.add_argument("--config", metavar="FILE", help="TOML file with options (flags override it)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -113,18 +117,43 @@ def _probe_or_expand(cfg, command, progress):
               f"trainable) written to {out / 'model'}")
 
 
-def _evaluate(cfg, progress):
+def _load(cfg):
+    """(model, corpora, output directory) after every input has been checked."""
     from .models import load_model
-    from .train import Corpora, _check_out, _device, _prepare_out, evaluate
+    from .train import Corpora, _check_out, _device, _prepare_out
 
     _check_out(cfg)
-    device = _device(cfg)
     try:
-        model, tokenizer = load_model(cfg.model, device=device)
+        model, tokenizer = load_model(cfg.model, device=_device(cfg))
         corpora = Corpora(cfg, tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    out = _prepare_out(cfg)
+    return model, corpora, _prepare_out(cfg)
+
+
+def _diagnose(cfg, progress):
+    from .lens import boundary_from
+    from .probe import layer_importance
+    from .train import run_diagnosis
+
+    model, corpora, out = _load(cfg)
+    scores = layer_importance(model, corpora.general_probe, progress=progress)
+    diagnosis = run_diagnosis(model, cfg, corpora, importance=scores, progress=progress)
+    diagnosis.to_json(out / "diagnosis.json")
+    diagnosis.plot(out / "diagnosis.png", f"LayerTracer diagnosis of {cfg.model} ({cfg.diagnosis_task})")
+    lens, js = diagnosis.lens, diagnosis.sensitivity.js
+    print(f"task particle: layer {lens.task_particle}; execution layers (Ratio > 0): {lens.execution_layers}")
+    print(f"most context-sensitive layers: {sorted(range(len(js)), key=lambda i: -js[i])[:4]}; "
+          f"ADEPT's {cfg.k} least important layers: {scores.select(min(cfg.k, len(js)))}")
+    print(f"freeze_deep --boundary auto trains layers [0, {boundary_from(diagnosis)}); "
+          f"written to {out / 'diagnosis.json'} and .png")
+
+
+def _evaluate(cfg, progress):
+    from .train import _device, evaluate
+
+    model, corpora, out = _load(cfg)
+    device = _device(cfg)
     result = {"model": cfg.model, "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
               "domain_loss": evaluate(model, corpora.domain_eval, device, "eval domain", progress)}
     (out / "eval.json").write_text(json.dumps(result, indent=2))
@@ -146,6 +175,8 @@ def main(argv=None) -> int:
             run(cfg, progress=progress)
         elif args.command in ("probe", "expand"):
             _probe_or_expand(cfg, args.command, progress)
+        elif args.command == "diagnose":
+            _diagnose(cfg, progress)
         else:
             _evaluate(cfg, progress)
     except RunError as e:

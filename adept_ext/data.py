@@ -192,14 +192,13 @@ def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: in
     return out
 
 
-def context_query_task(blocks: Dict[str, torch.Tensor], context_len: int, batch_size: int = 8,
-                       limit: int = None) -> List[Dict[str, torch.Tensor]]:
-    """Composite inputs for LayerTracer's diagnostics from any corpus (SPEC §3): the first
-    `context_len` tokens of each block are the context s_1, the rest the query s_2, and every
-    query position with a next token is scored. Raises ValueError when no block is longer than
-    the context."""
+def context_query_task(batches_: Sequence[Dict[str, torch.Tensor]], context_len: int) -> List[Dict[str, torch.Tensor]]:
+    """Composite inputs for LayerTracer's diagnostics from any corpus (SPEC §3): in every block of
+    `batches_` the first `context_len` tokens are the context s_1, the rest the query s_2, and
+    every query position with a next token is scored. Raises ValueError when no block is longer
+    than the context."""
     out = []
-    for batch in batches(blocks, batch_size, limit):
+    for batch in batches_:
         positions = torch.arange(batch["input_ids"].shape[1])
         context = (positions < context_len).expand_as(batch["input_ids"]) & (batch["attention_mask"] == 1)
         has_next = torch.cat([batch["labels"][:, 1:] != -100, torch.zeros_like(context[:, :1])], dim=1)

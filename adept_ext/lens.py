@@ -14,8 +14,10 @@ Definitions the paper leaves open, as this module fixes them (all configurable):
 - JS_i = mean over scored positions of JS(P ‖ Q(i)) in nats (≤ ln 2), P the clean and Q(i) the
   final distribution with the context masked at layer i; ΔJS(i) = (JS_i − JS_{i−1}) / (JS_{i−1} + ε)
   for i ≥ 1 (undefined, None, for layer 0).
-- allocation (`allocate`, freeze_deep): train the layers before the task particle, freeze the
-  particle and everything deeper; the boundary is clamped to [1, L−1].
+- allocation (`allocate`, freeze_deep): train the shallow block [0, b) and freeze the rest, with
+  b = min(task particle, 1 + the deepest layer with JS_i ≥ `sensitive_fraction` · max JS)
+  (default 0.25), clamped to [1, L−1]: the deep block starts where the task evidence is
+  integrated or where the layers stop being sensitive to the context, whichever is shallower.
 """
 import json
 import math
@@ -77,7 +79,7 @@ class Diagnosis:
         """PNG with P̄_t(i), JS_i / ΔJS(i) and the layer importance on one shared layer axis."""
         plot_diagnosis(path, self.lens.p_task, self.lens.task_particle, self.sensitivity.js, self.sensitivity.delta_js,
                        self.importance.scores if self.importance else None, title,
-                       boundary=allocate(len(self.lens.p_task), "freeze_deep", self)[-1] + 1)
+                       boundary=boundary_from(self))
 
 
 def _checked(model, batches, need_context: bool):
@@ -270,20 +272,28 @@ def diagnose(model, batches, importance: Optional[LayerScores] = None, threshold
                      layer_sensitivity(model, batches, progress=progress, **kwargs), importance)
 
 
+def boundary_from(diagnosis: Diagnosis, sensitive_fraction: float = 0.25) -> int:
+    """The freeze_deep boundary b of `diagnosis` (rule in the module docstring), clamped to [1, L−1]."""
+    js = diagnosis.sensitivity.js
+    n = len(js)
+    last_sensitive = max(i for i, j in enumerate(js) if j >= sensitive_fraction * max(js))
+    return min(max(min(diagnosis.lens.task_particle, last_sensitive + 1), 1), n - 1)
+
+
 def allocate(model_or_layers, strategy: str = "freeze_deep", diagnosis: Optional[Diagnosis] = None,
-             boundary: Optional[int] = None) -> List[int]:
+             boundary: Optional[int] = None, sensitive_fraction: float = 0.25) -> List[int]:
     """The trainable layers under LayerTracer's allocation (SPEC §3): `freeze_deep` trains the
     shallow block [0, b), `freeze_shallow` (the paper's reverse arm) the deep block [b, L). The
-    boundary b is `boundary` if given, else the task particle of `diagnosis` (evidence is
-    integrated from there on, so that layer and the deeper ones stay frozen), clamped to
-    [1, L−1], else L // 2. `model_or_layers`: a model or its number of decoder layers."""
+    boundary b is `boundary` if given, else `boundary_from(diagnosis, sensitive_fraction)`, else
+    L // 2. `model_or_layers`: a model or its number of decoder layers. Raises ValueError for an
+    unknown strategy, a model with fewer than 2 layers or a boundary outside [1, L−1]."""
     n = model_or_layers if isinstance(model_or_layers, int) else adapter(model_or_layers).num_layers
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if n < 2:
         raise ValueError(f"allocation needs at least 2 layers, the model has {n}")
     if boundary is None:
-        boundary = min(max(diagnosis.lens.task_particle, 1), n - 1) if diagnosis is not None else n // 2
+        boundary = boundary_from(diagnosis, sensitive_fraction) if diagnosis is not None else n // 2
     if not 1 <= boundary <= n - 1:
         raise ValueError(f"boundary {boundary} is not in [1, {n - 1}] for a model with {n} layers")
     return list(range(boundary)) if strategy == "freeze_deep" else list(range(boundary, n))

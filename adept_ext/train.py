@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from . import data
 from .expand import expand_layers
+from .lens import Diagnosis, allocate, diagnose
 from .lr import DecoupledLR, param_groups
 from .models import adapter, load_model
 from .probe import layer_importance
@@ -33,6 +34,7 @@ from .report import plot_loss_curves, plot_unit_rates
 from .units import UnitImportance
 
 METHODS = ("adept", "full", "llama_pro", "freeze_deep", "lora", "adept_no_expand", "adept_uniform_lr")
+DIAGNOSIS_TASKS = ("bbc-topic", "context")
 LAYER_METHODS = ("adept", "llama_pro", "adept_no_expand", "adept_uniform_lr")  # methods that take k / --layers
 CHECKPOINT = "checkpoint.pt"
 
@@ -63,7 +65,9 @@ class RunConfig:
     save_every: int = 20              # checkpoint every N steps (0 = never)
     recompute_every: int = 20         # ADEPT: recompute unit importance every N steps
     normalize: str = "rank"           # ADEPT: unit-importance normalisation (rank, per_kind, global)
-    boundary: int = 0                 # freeze_deep: train layers [0, boundary) (0 = first half)
+    boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
+    diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
+    diagnosis_queries: int = 8        # composite inputs used by the diagnosis
     lora_rank: int = 8
     seed: int = 0
     bf16: str = "auto"                # auto (GPU with bf16 support) | on | off
@@ -83,14 +87,21 @@ def config_from(overrides: Dict) -> RunConfig:
         raise RunError(f"unknown option(s): {', '.join(unknown)}")
     if isinstance(overrides.get("layers"), list):  # TOML: layers = [7, 14]
         overrides = {**overrides, "layers": ",".join(map(str, overrides["layers"]))}
+    if isinstance(overrides.get("boundary"), int):  # TOML: boundary = 12
+        overrides = {**overrides, "boundary": str(overrides["boundary"])}
     cfg = RunConfig(**overrides)
     if cfg.method not in METHODS:
         raise RunError(f"unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
-    for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every"):
+    for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every",
+                 "diagnosis_queries"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
+    if cfg.boundary not in ("half", "auto") and not cfg.boundary.isdigit():
+        raise RunError(f"boundary must be half, auto or a layer count, got {cfg.boundary!r}")
+    if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
+        raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     if cfg.layers and cfg.method not in LAYER_METHODS:
         raise RunError(f"--layers applies to {', '.join(LAYER_METHODS)}, not {cfg.method}")
     explicit_layers(cfg)
@@ -153,8 +164,8 @@ def _check_model_args(cfg, model):
     bad = [l for l in explicit_layers(cfg) or [] if not 0 <= l < n]
     if bad:
         raise RunError(f"--layers {bad} out of range for a model with {n} layers")
-    if cfg.method == "freeze_deep" and not 0 <= cfg.boundary <= n:
-        raise RunError(f"boundary {cfg.boundary} is not in [1, {n}]")
+    if cfg.method == "freeze_deep" and cfg.boundary.isdigit() and not 1 <= int(cfg.boundary) <= n - 1:
+        raise RunError(f"boundary {cfg.boundary} is not in [1, {n - 1}] for a model with {n} layers")
 
 
 def _check_memory(cfg, model):
@@ -201,7 +212,9 @@ class Corpora:
         g_train, g_held = data.split_blocks(general, 0.1, cfg.seed)
         d_train, d_held = data.split_blocks(domain, 0.1, cfg.seed)
         limit = lambda blocks, n: {k: v[:n] for k, v in blocks.items()}  # noqa: E731
+        self.tokenizer = tokenizer
         self.general_probe = data.batches(limit(g_train, cfg.probe_blocks), cfg.batch_size)
+        self.general_context = data.batches(limit(g_train, cfg.diagnosis_queries), cfg.batch_size)  # diagnosis
         self.general_eval = data.batches(limit(g_held, cfg.eval_blocks), cfg.batch_size)
         self.domain_eval = data.batches(limit(d_held, cfg.eval_blocks), cfg.batch_size)
         self.domain_train = data.batches(d_train, cfg.batch_size)
@@ -217,6 +230,25 @@ class Prepared:
     importance: Optional[UnitImportance] = None        # ADEPT's decoupled rates
     scores: Optional[object] = None                     # LayerScores of the probe
     peft_model: Optional[torch.nn.Module] = None        # the PEFT wrapper (lora), merged before saving
+    diagnosis: Optional[Diagnosis] = None               # LayerTracer diagnosis (freeze_deep --boundary auto)
+
+
+def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:
+    """Composite inputs s_1 ⊕ s_2 for LayerTracer (SPEC §3): few-shot BBC News topic
+    classification (bbc-topic), or the general probe blocks split in half into context and
+    query (context)."""
+    if cfg.diagnosis_task == "bbc-topic":
+        return data.fewshot_topic_task(corpora.tokenizer, n_queries=cfg.diagnosis_queries, shots=3, words=24,
+                                       batch_size=cfg.batch_size, seed=cfg.seed)
+    return data.context_query_task(corpora.general_context, cfg.block_len // 2)
+
+
+def run_diagnosis(model, cfg, corpora, importance=None, progress=True) -> Diagnosis:
+    """LayerTracer's logit lens and layer sensitivity on `cfg.diagnosis_task` (see lens.py)."""
+    try:
+        return diagnose(model, diagnosis_batches(cfg, corpora), importance, progress=progress)
+    except (FileNotFoundError, ValueError) as e:
+        raise RunError(f"diagnosis: {e}") from e
 
 
 def _train_only(model, params) -> List[torch.nn.Parameter]:
@@ -235,7 +267,7 @@ def prepare(model, cfg, corpora, layers=None, progress=True) -> Prepared:
     keeps its copies for adept/adept_uniform_lr."""
     ad = adapter(model)
     n = ad.num_layers
-    scores, peft_model = None, None
+    scores, peft_model, diagnosis = None, None, None
     layers = layers if layers is not None else explicit_layers(cfg)
     existing = (getattr(model.config, "adept", None) or {}).get("expanded_layers")
     reuse_copies = cfg.method in ("adept", "adept_uniform_lr") and bool(existing)
@@ -253,7 +285,9 @@ def prepare(model, cfg, corpora, layers=None, progress=True) -> Prepared:
         model.config.adept = {"expanded_layers": list(layers), "source_layers": list(layers)}
         trainable = _train_only(model, (p for l in layers for p in ad.layers[l].parameters()))
     elif cfg.method == "freeze_deep":
-        layers = list(range(cfg.boundary or n // 2))
+        if cfg.boundary == "auto":
+            diagnosis = run_diagnosis(model, cfg, corpora, progress=progress)
+        layers = allocate(n, "freeze_deep", diagnosis, int(cfg.boundary) if cfg.boundary.isdigit() else None)
         trainable = _train_only(model, (p for l in layers for p in ad.layers[l].parameters()))
     elif cfg.method == "full":
         layers, trainable = [], _train_only(model, model.parameters())
@@ -270,7 +304,7 @@ def prepare(model, cfg, corpora, layers=None, progress=True) -> Prepared:
         importance = UnitImportance(model, corpora.general_probe, normalize=cfg.normalize)
     else:
         groups = [{"params": trainable, "lr": cfg.lr, "weight_decay": cfg.weight_decay}]
-    return Prepared(trainable, groups, list(layers or []), importance, scores, peft_model)
+    return Prepared(trainable, groups, list(layers or []), importance, scores, peft_model, diagnosis)
 
 
 def _schedule(cfg):
@@ -365,6 +399,9 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     if prepared.scores is not None:
         prepared.scores.to_json(out / "layer_importance.json")
         prepared.scores.plot(out / "layer_importance.png", highlight=prepared.layers)
+    if prepared.diagnosis is not None:
+        prepared.diagnosis.to_json(out / "diagnosis.json")
+        prepared.diagnosis.plot(out / "diagnosis.png", f"LayerTracer diagnosis ({cfg.diagnosis_task})")
     log(f"{cfg.method}: {len(prepared.layers)} layers {prepared.layers}, trainable {n_trainable / 1e6:.1f}M "
         f"({n_trainable / total_params:.1%})")
 

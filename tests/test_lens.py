@@ -123,8 +123,16 @@ def test_allocation_rules():
     assert allocate(model) == [0, 1, 2]
     assert allocate(6, "freeze_shallow", boundary=4) == [4, 5]
     diagnosis = diagnose(model, composite_batches(), progress=False)
-    particle = diagnosis.lens.task_particle
-    assert allocate(model, diagnosis=diagnosis) == list(range(min(max(particle, 1), 5)))
+    js = diagnosis.sensitivity.js
+    last_sensitive = max(i for i, j in enumerate(js) if j >= 0.25 * max(js))
+    expect = min(max(min(diagnosis.lens.task_particle, last_sensitive + 1), 1), 5)
+    assert allocate(model, diagnosis=diagnosis) == list(range(expect))
+    # a hand-made profile: evidence integrated from layer 4, sensitive up to layer 2 -> train [0, 3)
+    diagnosis.lens.task_particle, diagnosis.sensitivity.js = 4, [0.1, 0.3, 0.2, 0.01, 0.02, 0.01]
+    assert allocate(model, diagnosis=diagnosis) == [0, 1, 2]
+    diagnosis.lens.task_particle = 2
+    assert allocate(model, diagnosis=diagnosis) == [0, 1]
+    assert allocate(model, "freeze_shallow", diagnosis=diagnosis) == [2, 3, 4, 5]
     for bad in (0, 6):
         with pytest.raises(ValueError, match="boundary"):
             allocate(model, boundary=bad)
@@ -167,9 +175,9 @@ def test_context_query_task():
               "labels": torch.arange(20).view(2, 10)}
     blocks["attention_mask"][1, 7:] = 0
     blocks["labels"][1, 7:] = -100
-    (b,) = context_query_task(blocks, context_len=4)
+    (b,) = context_query_task([blocks], context_len=4)
     assert b["context_mask"][:, :4].all() and not b["context_mask"][:, 4:].any()
     assert b["score_mask"][0].nonzero().flatten().tolist() == [4, 5, 6, 7, 8]
     assert b["score_mask"][1].nonzero().flatten().tolist() == [4, 5]
     with pytest.raises(ValueError, match="longer than the context"):
-        context_query_task(blocks, context_len=10)
+        context_query_task([blocks], context_len=10)

@@ -110,6 +110,9 @@ def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys)
     (["run", "--layers", "1,7"], "--layers [7] out of range"),
     (["run", "--layers", "1;2"], "comma-separated layer indices"),
     (["run", "--method", "full", "--layers", "1"], "--layers applies to"),
+    (["run", "--method", "freeze_deep", "--boundary", "4"], "boundary 4 is not in [1, 3]"),
+    (["run", "--method", "freeze_deep", "--boundary", "deep"], "boundary must be half, auto"),
+    (["diagnose", "--diagnosis-task", "poetry"], "diagnosis_task must be one of"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(workspace, tmp_path, capsys, argv, message):
     argv = argv + ["--out", str(tmp_path / "o"), "--no-progress"]
@@ -129,6 +132,30 @@ def test_explicit_layers_override_the_methods_choice(workspace, method):
     assert report["layers"] == [0, 3]
     model = AutoModelForCausalLM.from_pretrained(workspace / f"layers-{method}" / "model")
     assert model.config.adept["expanded_layers"] == [1, 5]  # copies right after layers 0 and 3
+
+
+@pytest.mark.parametrize("task", ["bbc-topic", "context"])
+def test_freeze_deep_with_boundary_from_a_diagnosis(workspace, task):
+    report = run(options(workspace, f"auto-{task}", method="freeze_deep", boundary="auto", diagnosis_task=task,
+                         diagnosis_queries=3, steps=1), progress=False, log=lambda *a: None)
+    out = workspace / f"auto-{task}"
+    diagnosis = json.loads((out / "diagnosis.json").read_text())
+    js = diagnosis["sensitivity"]["js"]
+    boundary = min(diagnosis["lens"]["task_particle"], max(i for i, j in enumerate(js) if j >= 0.25 * max(js)) + 1)
+    assert report["layers"] == list(range(min(max(boundary, 1), 3)))
+    assert (out / "diagnosis.png").exists()
+
+
+def test_cli_diagnose_writes_json_and_png(workspace, tmp_path, capsys):
+    argv = ["diagnose", "--model", str(workspace / "tiny"), "--general", str(workspace / "general"),
+            "--domain", str(workspace / "domain.jsonl"), "--block-len", "32", "--probe-blocks", "4",
+            "--diagnosis-queries", "3", "--out", str(tmp_path / "d"), "--no-progress"]
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "d" / "diagnosis.json").read_text())
+    assert len(saved["lens"]["p_task"]) == len(saved["sensitivity"]["js"]) == len(saved["importance"]["scores"]) == 4
+    assert saved["lens"]["answer_accuracy"] is not None and saved["sensitivity"]["positions"] == 3
+    assert (tmp_path / "d" / "diagnosis.png").stat().st_size > 10_000
+    assert "freeze_deep --boundary auto trains layers [0, " in capsys.readouterr().out
 
 
 def test_empty_corpus_is_an_error(workspace, tmp_path):
