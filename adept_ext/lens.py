@@ -19,9 +19,8 @@ Definitions the paper leaves open, as this module fixes them (all configurable):
   (default 0.25), clamped to [1, L−1]: the deep block starts where the task evidence is
   integrated or where the layers stop being sensitive to the context, whichever is shallower.
 """
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from tqdm.auto import tqdm
 from .models import adapter
 from .ops import linear_cross_entropy
 from .probe import LayerScores, prefix_shared_variants
-from .report import plot_diagnosis
+from .report import dataclass_json, plot_diagnosis
 
 STRATEGIES = ("freeze_deep", "freeze_shallow")
 MASKABLE_ATTENTION = ("sdpa", "eager")
@@ -66,14 +65,9 @@ class Diagnosis:
     lens: LensProfile
     sensitivity: SensitivityProfile
     importance: Optional[LayerScores] = None
-    extra: Dict = field(default_factory=dict)
 
     def to_json(self, path=None) -> str:
-        text = json.dumps(asdict(self), indent=2)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+        return dataclass_json(self, path)
 
     def plot(self, path, title: str = "LayerTracer diagnosis"):
         """PNG with P̄_t(i), JS_i / ΔJS(i) and the layer importance on one shared layer axis."""
@@ -212,7 +206,7 @@ def js_divergence_sum(hidden_p: torch.Tensor, hidden_q: torch.Tensor, weight: to
 @torch.no_grad()
 def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
                       context_mask: Optional[Sequence[torch.Tensor]] = None, eps: float = 1e-6,
-                      chunk_rows: int = 64, max_tokens_per_call: int = 4096,
+                      chunk_rows: int = 64, max_tokens_per_call: int = 1024,
                       progress: bool = True) -> SensitivityProfile:
     """Layer-wise sensitivity (SPEC §3): inputs are composite, context s_1 ⊕ query s_2
     (`context_mask[i]`, else batch["context_mask"]: bool [B, T], True on s_1). Perturbation at
@@ -221,7 +215,9 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
     positions (batch["score_mask"] & query, else every query position), and ΔJS(i) its relative
     change from layer i−1. The variant "perturbed at i" shares h_0..h_i with the clean run
     (Stage 1's prefix-shared engine, `probe.prefix_shared_variants`): L(L+1)/2 layer calls
-    instead of L², and only the scored rows are projected to the vocabulary. Needs
+    instead of L², and only the scored rows are projected to the vocabulary. Memory: the L
+    variant streams [L, B, T, H] plus one layer call of at most `max_tokens_per_call` tokens
+    (smaller than the probe's default: here the peak should stay below one naive forward). Needs
     attn_implementation sdpa or eager. Raises ValueError for empty batches, a missing or
     misshaped context mask, no context or no scored query position; the model is left as it was.
     """

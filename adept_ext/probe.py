@@ -8,9 +8,8 @@ from the fused `linear_cross_entropy` op, so the L×T×V logits are never stored
 estimates with the same interface: `block_influence` (ShortGPT: 1 − cos(h_l, h_{l+1})) and
 `taylor` (first order: −⟨f_l(h_l), ∂L/∂h_{l+1}⟩). Weights and .grad are never modified.
 """
-import json
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -20,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .models import adapter
 from .ops import linear_cross_entropy
-from .report import plot_layer_scores
+from .report import dataclass_json, plot_layer_scores
 
 METHODS = ("bypass", "block_influence", "taylor")
 
@@ -43,11 +42,7 @@ class LayerScores:
         return sorted(sorted(range(len(self.scores)), key=lambda i: (self.scores[i], i))[:k])
 
     def to_json(self, path=None) -> str:
-        text = json.dumps(asdict(self), indent=2)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+        return dataclass_json(self, path)
 
     def plot(self, path, title: Optional[str] = None, highlight: Iterable[int] = ()):
         """Bar chart of the scores as a PNG; `highlight` (e.g. the selected layers) in orange."""

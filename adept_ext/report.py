@@ -1,5 +1,16 @@
-"""Plots (PNG) of what the library computed, for a person to look at."""
+"""Plots (PNG) and JSON of what the library computed, for a person to look at."""
+import json
+from dataclasses import asdict
 from typing import Dict, Iterable, List, Optional
+
+
+def dataclass_json(obj, path=None) -> str:
+    """A dataclass as indented JSON; also written to `path` when given."""
+    text = json.dumps(asdict(obj), indent=2)
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text)
+    return text
 
 
 def _pyplot():

@@ -2,7 +2,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from adept_ext import data
 from adept_ext.models import load_model

@@ -4,7 +4,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from adept_ext.expand import expand_layers, select_layers
 from adept_ext.probe import layer_importance
-from tiny_models import ARCHS, padded_batches, tiny_config, tiny_model
+from tiny_models import ARCHS, padded_batches, tiny_model
 
 
 def logits(model, batch):

@@ -2,7 +2,7 @@
 """Benchmarks of adept_ext kernels against the plain-PyTorch ways a user would write them,
 measured in one run on the same data. Medians over repeats, after warm-up.
 
-    python tools/bench.py importance [--quick] [--json PATH] [--device cpu|cuda]
+    python tools/bench.py importance|probe|lr|projection|lens|all [--quick] [--json PATH] [--device cpu|cuda]
 """
 import argparse
 import json
@@ -157,6 +157,13 @@ def peak_cuda_mb(fn, device):
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
+def peak_memory_mb(run, method, size, device, state):
+    """Peak extra memory of run(method, size, device): CUDA allocator peak, or a child process's RSS on a CPU."""
+    if device.type == "cuda":
+        return peak_cuda_mb(lambda: run(method, size, device, state=state), device)
+    return peak_rss_mb(run, method, size, "cpu")
+
+
 def probe_setup(n_blocks, device):
     from adept_ext import data
     from adept_ext.models import load_model
@@ -205,12 +212,8 @@ def bench_probe(args, device):
         cheap = run_probe_method(method, n_blocks, device, state=state)
         results[f"{method}_s"] = t
         results[f"{method}_spearman"] = spearman(cheap.scores, exact.scores)
-    if device.type == "cuda":
-        results["peak_mem_naive_mb"] = peak_cuda_mb(lambda: run_probe_method("naive", n_blocks, device, state=state), device)
-        results["peak_mem_fused_mb"] = peak_cuda_mb(lambda: run_probe_method("bypass", n_blocks, device, state=state), device)
-    else:
-        results["peak_mem_naive_mb"] = peak_rss_mb(run_probe_method, "naive", n_blocks, "cpu")
-        results["peak_mem_fused_mb"] = peak_rss_mb(run_probe_method, "bypass", n_blocks, "cpu")
+    for name, method in (("naive", "naive"), ("fused", "bypass")):
+        results[f"peak_mem_{name}_mb"] = peak_memory_mb(run_probe_method, method, n_blocks, device, state)
     results["scores"] = exact.scores
     results["least_important"] = exact.select(4)
     out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else "bench-results"
@@ -227,6 +230,60 @@ def bench_probe(args, device):
     for method in ("block_influence", "taylor"):
         print(f"{method:16} {results[method + '_s']:.2f} s, Spearman vs exact {results[method + '_spearman']:.3f}")
     print(f"4 least important layers: {results['least_important']}")
+    return results
+
+
+# ---------------------------------------------------------------- lens
+def lens_setup(n_queries, device):
+    from adept_ext import data
+    from adept_ext.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", device=device)
+    batches = [{k: v.to(device) for k, v in b.items()}
+               for b in data.fewshot_topic_task(tokenizer, n_queries=n_queries, shots=2, words=16, batch_size=n_queries)]
+    with torch.no_grad():  # touch the (memory-mapped) weights so that they count as the baseline
+        model(input_ids=batches[0]["input_ids"][:1, :8])
+    return model, batches
+
+
+def run_lens_method(method, n_queries, device, setup_only=False, state=None):
+    """Layer sensitivity on SmolLM2 few-shot BBC topics: naive (one perturbed full forward per
+    layer, HF logits) or fused (prefix-shared variants); in-process for timing, in a child for memory."""
+    from adept_ext.lens import layer_sensitivity
+
+    model, batches = state or lens_setup(n_queries, torch.device(device))
+    if setup_only:
+        return model, batches
+    if method == "naive":
+        return [reference.context_masked_js(model, b, b["context_mask"], b["score_mask"]).mean(1) for b in batches][0]
+    return layer_sensitivity(model, batches, progress=False)
+
+
+def bench_lens(args, device):
+    n_queries = 1 if args.quick else 4
+    state = lens_setup(n_queries, device)
+    b = state[1][0]
+    results = {"queries": n_queries, "tokens": int(b["attention_mask"].sum()), "layers": state[0].config.num_hidden_layers,
+               "task": "few-shot BBC News topics, 2 shots x 16 words"}
+    timed = {}
+    for method in ("naive", "fused"):  # one timed run each (a naive run takes minutes on a CPU)
+        sync(device)
+        t0 = time.perf_counter()
+        timed[method] = run_lens_method(method, n_queries, device, state=state)
+        sync(device)
+        results[f"{method}_s"] = time.perf_counter() - t0
+    naive, fused = timed["naive"], timed["fused"]
+    results["max_rel_diff_js"] = max(abs(a - float(w)) / float(w) for a, w in zip(fused.js, naive))
+    results["speedup_vs_naive"] = results["naive_s"] / results["fused_s"]
+    for method in ("naive", "fused"):
+        results[f"peak_mem_{method}_mb"] = peak_memory_mb(run_lens_method, method, n_queries, device, state)
+    results["js"] = fused.js
+    print(f"\nlayer sensitivity on SmolLM2-135M ({results['layers']} layers), {n_queries} few-shot BBC queries "
+          f"({results['tokens']} tokens), device {device}")
+    print(f"naive (one perturbed HF forward per layer): {results['naive_s']:.2f} s, peak +{results['peak_mem_naive_mb']:.0f} MB")
+    print(f"adept_ext prefix-shared:                    {results['fused_s']:.2f} s, peak +{results['peak_mem_fused_mb']:.0f} MB"
+          f"  -> speedup {results['speedup_vs_naive']:.2f}x")
+    print(f"max rel. diff of JS per layer {results['max_rel_diff_js']:.2e}")
     return results
 
 
@@ -417,7 +474,8 @@ def bench_projection(args, device):
     return results
 
 
-BENCHMARKS = {"importance": bench_importance, "probe": bench_probe, "lr": bench_lr, "projection": bench_projection}
+BENCHMARKS = {"importance": bench_importance, "probe": bench_probe, "lr": bench_lr, "projection": bench_projection,
+              "lens": bench_lens}
 
 
 def main(argv=None):
