@@ -92,39 +92,53 @@ void dispatch_pair(at::ScalarType tq, at::ScalarType tg, Fn fn) {
   }
 }
 
+// The (tensor, kProjChunk-element chunk) work items of a pass over two tensor lists; numels are
+// those of the second list (the basis rows of the first list have that length too).
 struct Chunks {
   std::vector<at::Tensor> a, b;
-  std::vector<int64_t> first, owner;
-  Chunks(at::TensorList a_in, at::TensorList b_in, const std::vector<int64_t>& numels)
-      : a(contiguous_list(a_in)), b(contiguous_list(b_in)), first(chunk_offsets(numels, kProjChunk)),
-        owner(chunk_owners(first)) {}
+  std::vector<int64_t> numels, first, owner;
+  Chunks(at::TensorList a_in, at::TensorList b_in)
+      : a(contiguous_list(a_in)), b(contiguous_list(b_in)), numels(numels_of(b)),
+        first(chunk_offsets(numels, kProjChunk)), owner(chunk_owners(first)) {}
   int64_t total() const { return first.back(); }
-  int64_t start(int64_t c) const { return (c - first[owner[c]]) * kProjChunk; }
+
+  // fn(c, i, s, n, a_ptr, b_ptr, scratch) for every chunk c in parallel: chunk c covers elements
+  // [s, s + n) of tensor i; a_ptr/b_ptr are the typed data pointers of a[i] and b[i] (not offset);
+  // scratch holds kProjChunk floats private to the calling thread.
+  template <typename Fn>
+  void for_each(Fn fn) const {
+    at::parallel_for(0, total(), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(kProjChunk);
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t i = owner[c], s = (c - first[i]) * kProjChunk, n = std::min(kProjChunk, numels[i] - s);
+        dispatch_pair(a[i].scalar_type(), b[i].scalar_type(), [&](auto* a_tag, auto* b_tag) {
+          using TA = std::remove_pointer_t<decltype(a_tag)>;
+          using TB = std::remove_pointer_t<decltype(b_tag)>;
+          fn(c, i, s, n, a[i].data_ptr<TA>(), b[i].data_ptr<TB>(), scratch.data());
+        });
+      }
+    });
+  }
 };
+
+// The rows j..j+3 of tensor i's basis at element s (the last valid row repeated past k).
+template <typename TQ>
+void basis_rows(const TQ* q, int64_t j, int m, int64_t numel, int64_t s, const TQ* rows[4]) {
+  for (int r = 0; r < 4; ++r) rows[r] = q + (j + std::min(r, m - 1)) * numel + s;
+}
 
 at::Tensor null_space_coeffs_cpu(at::TensorList basis, at::TensorList grads) {
   const int64_t k = check_basis_args(basis, grads);
-  std::vector<int64_t> numels;
-  for (const auto& g : grads) numels.push_back(g.numel());
-  const Chunks ch(basis, grads, numels);
+  const Chunks ch(basis, grads);
   std::vector<float> partial(ch.total() * k);
-  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
-      dispatch_pair(ch.a[i].scalar_type(), ch.b[i].scalar_type(), [&](auto* q_tag, auto* g_tag) {
-        using TQ = std::remove_pointer_t<decltype(q_tag)>;
-        using TG = std::remove_pointer_t<decltype(g_tag)>;
-        const TQ* q = ch.a[i].const_data_ptr<TQ>();
-        const TG* g = ch.b[i].const_data_ptr<TG>() + s;
-        for (int64_t j = 0; j < k; j += 4) {
-          const int m = static_cast<int>(std::min<int64_t>(4, k - j));
-          const TQ* rows[4];
-          for (int r = 0; r < 4; ++r) rows[r] = q + (j + std::min(r, m - 1)) * numels[i] + s;
-          float out[4];
-          dot4_chunk(rows, g, n, out);
-          for (int r = 0; r < m; ++r) partial[c * k + j + r] = out[r];
-        }
-      });
+  ch.for_each([&](int64_t c, int64_t i, int64_t s, int64_t n, const auto* q, const auto* g, float*) {
+    for (int64_t j = 0; j < k; j += 4) {
+      const int m = static_cast<int>(std::min<int64_t>(4, k - j));
+      std::remove_const_t<std::remove_pointer_t<decltype(q)>> const* rows[4];
+      basis_rows(q, j, m, ch.numels[i], s, rows);
+      float out[4];
+      dot4_chunk(rows, g + s, n, out);
+      for (int r = 0; r < m; ++r) partial[c * k + j + r] = out[r];
     }
   });
   auto out = at::zeros({k}, grads[0].options().dtype(at::kDouble));
@@ -137,58 +151,34 @@ at::Tensor null_space_coeffs_cpu(at::TensorList basis, at::TensorList grads) {
 void null_space_apply_cpu(at::TensorList basis, at::TensorList grads, const at::Tensor& coeffs) {
   const int64_t k = check_basis_args(basis, grads);
   check_coeffs(coeffs, k, grads[0].device());
-  std::vector<int64_t> numels;
-  for (const auto& g : grads) {
+  for (const auto& g : grads)
     TORCH_CHECK(g.is_contiguous(), "null_space_apply_: grads must be contiguous (updated in place)");
-    numels.push_back(g.numel());
-  }
-  const Chunks ch(basis, grads, numels);
+  const Chunks ch(basis, grads);  // ch.b[i] aliases grads[i] (contiguous)
   const auto cd = coeffs.contiguous();
   std::vector<float> cf(cd.const_data_ptr<double>(), cd.const_data_ptr<double>() + k);
-  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(kProjChunk);
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
-      dispatch_pair(ch.a[i].scalar_type(), grads[i].scalar_type(), [&](auto* q_tag, auto* g_tag) {
-        using TQ = std::remove_pointer_t<decltype(q_tag)>;
-        using TG = std::remove_pointer_t<decltype(g_tag)>;
-        const TQ* q = ch.a[i].const_data_ptr<TQ>();
-        TG* g = grads[i].data_ptr<TG>() + s;
-        std::fill(acc.begin(), acc.begin() + n, 0.f);
-        for (int64_t j = 0; j < k; j += 4) {
-          const int m = static_cast<int>(std::min<int64_t>(4, k - j));
-          const TQ* rows[4];
-          for (int r = 0; r < 4; ++r) rows[r] = q + (j + std::min(r, m - 1)) * numels[i] + s;
-          axpy4_chunk(&cf[j], rows, m, acc.data(), n);
-        }
-        for (int64_t e = 0; e < n; ++e) g[e] = static_cast<TG>(static_cast<float>(g[e]) - acc[e]);
-      });
+  ch.for_each([&](int64_t, int64_t i, int64_t s, int64_t n, const auto* q, auto* g, float* acc) {
+    std::fill(acc, acc + n, 0.f);
+    for (int64_t j = 0; j < k; j += 4) {
+      const int m = static_cast<int>(std::min<int64_t>(4, k - j));
+      std::remove_const_t<std::remove_pointer_t<decltype(q)>> const* rows[4];
+      basis_rows(q, j, m, ch.numels[i], s, rows);
+      axpy4_chunk(&cf[j], rows, m, acc, n);
     }
+    using TG = std::remove_pointer_t<decltype(g)>;
+    for (int64_t e = 0; e < n; ++e) g[s + e] = static_cast<TG>(static_cast<float>(g[s + e]) - acc[e]);
   });
 }
 
 at::Tensor conflict_correct_cpu(at::TensorList g_new, at::TensorList g_pre, double lam, double eps) {
   check_pair_lists(g_new, g_pre);
-  std::vector<int64_t> numels;
-  for (const auto& g : g_new) {
+  for (const auto& g : g_new)
     TORCH_CHECK(g.is_contiguous(), "conflict_correct_: g_new must be contiguous (updated in place)");
-    numels.push_back(g.numel());
-  }
-  const Chunks ch(g_new, g_pre, numels);
+  const Chunks ch(g_new, g_pre);  // ch.a[i] aliases g_new[i] (contiguous)
   std::vector<float> partial(ch.total() * 3);
-  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
-      dispatch_pair(ch.a[i].scalar_type(), ch.b[i].scalar_type(), [&](auto* a_tag, auto* b_tag) {
-        using TA = std::remove_pointer_t<decltype(a_tag)>;
-        using TB = std::remove_pointer_t<decltype(b_tag)>;
-        const TA* a = ch.a[i].const_data_ptr<TA>() + s;
-        const TB* b = ch.b[i].const_data_ptr<TB>() + s;
-        partial[3 * c] = dot_chunk(a, b, n);
-        partial[3 * c + 1] = dot_chunk(b, b, n);
-        partial[3 * c + 2] = dot_chunk(a, a, n);
-      });
-    }
+  ch.for_each([&](int64_t c, int64_t, int64_t s, int64_t n, const auto* a, const auto* b, float*) {
+    partial[3 * c] = dot_chunk(a + s, b + s, n);
+    partial[3 * c + 1] = dot_chunk(b + s, b + s, n);
+    partial[3 * c + 2] = dot_chunk(a + s, a + s, n);
   });
   auto stats = at::zeros({4}, g_new[0].options().dtype(at::kDouble));
   double* st = stats.data_ptr<double>();
@@ -197,19 +187,11 @@ at::Tensor conflict_correct_cpu(at::TensorList g_new, at::TensorList g_pre, doub
   const double coef = conflict_coefficient(st[0], st[1], st[2], eps);
   st[3] = coef;
   const float scale = static_cast<float>(lam - coef);
-  at::parallel_for(0, ch.total(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(kProjChunk);
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t i = ch.owner[c], s = ch.start(c), n = std::min(kProjChunk, numels[i] - s);
-      dispatch_pair(g_new[i].scalar_type(), ch.b[i].scalar_type(), [&](auto* a_tag, auto* b_tag) {
-        using TA = std::remove_pointer_t<decltype(a_tag)>;
-        using TB = std::remove_pointer_t<decltype(b_tag)>;
-        TA* a = g_new[i].data_ptr<TA>() + s;
-        std::fill(acc.begin(), acc.begin() + n, 0.f);
-        axpy_chunk(scale, ch.b[i].const_data_ptr<TB>() + s, acc.data(), n);
-        for (int64_t e = 0; e < n; ++e) a[e] = static_cast<TA>(static_cast<float>(a[e]) + acc[e]);
-      });
-    }
+  ch.for_each([&](int64_t, int64_t, int64_t s, int64_t n, auto* a, const auto* b, float* acc) {
+    std::fill(acc, acc + n, 0.f);
+    axpy_chunk(scale, b + s, acc, n);
+    using TA = std::remove_pointer_t<decltype(a)>;
+    for (int64_t e = 0; e < n; ++e) a[s + e] = static_cast<TA>(static_cast<float>(a[s + e]) + acc[e]);
   });
   return stats;
 }
