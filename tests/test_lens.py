@@ -68,6 +68,16 @@ def test_layer_sensitivity_equals_naive_reference(arch, attn, max_tokens):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_layer_sensitivity_in_float64_equals_the_reference_to_rounding():
+    """In float64 the engine and the naive loop agree to ~1e-13: the fp32 differences are rounding."""
+    model = tiny_model("qwen3", layers=5).double()
+    batches = composite_batches()
+    sens = layer_sensitivity(model, batches, max_tokens_per_call=40, progress=False)
+    naive = torch.cat([reference.context_masked_js(model, b, b["context_mask"], query_positions(b)) for b in batches],
+                      dim=1).mean(1)
+    torch.testing.assert_close(torch.tensor(sens.js, dtype=torch.float64), naive, rtol=1e-10, atol=0)
+
+
 def test_sensitivity_with_unpadded_batches_and_explicit_masks():
     """sdpa passes no mask to the layers when nothing is padded; the perturbation must still apply."""
     model = tiny_model("llama", layers=3)
