@@ -93,7 +93,8 @@ def plot_diagnosis(path, p_task: List[float], task_particle: int, js: List[float
     fig, axes = plt.subplots(rows, 1, figsize=(max(7, 0.3 * n + 3), 2.6 * rows), sharex=True)
     axes[0].plot(range(n), p_task, marker="o", ms=3)
     axes[0].axvline(task_particle, color="tab:red", lw=1, label=f"task particle (layer {task_particle})")
-    axes[0].set_ylabel("P_t(layer)")
+    axes[0].set_yscale("log")  # P_t spans orders of magnitude across the layers
+    axes[0].set_ylabel("P_t(layer) (log)")
     axes[0].legend(fontsize=8)
     axes[1].plot(range(n), js, marker="o", ms=3, color="tab:purple", label="JS(P, Q(layer))")
     axes[1].set_ylabel("JS (nats)")
