@@ -19,6 +19,7 @@ Definitions the paper leaves open, as this module fixes them (all configurable):
   (default 0.25), clamped to [1, L−1]: the deep block starts where the task evidence is
   integrated or where the layers stop being sensitive to the context, whichever is shallower.
 """
+import json
 import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -68,6 +69,14 @@ class Diagnosis:
 
     def to_json(self, path=None) -> str:
         return dataclass_json(self, path)
+
+    @classmethod
+    def from_json(cls, path) -> "Diagnosis":
+        """A diagnosis written by `to_json` (e.g. to replot it or to allocate from it later)."""
+        with open(path) as f:
+            d = json.load(f)
+        return cls(LensProfile(**d["lens"]), SensitivityProfile(**d["sensitivity"]),
+                   LayerScores(**d["importance"]) if d.get("importance") else None)
 
     def plot(self, path, title: str = "LayerTracer diagnosis"):
         """PNG with P̄_t(i), JS_i / ΔJS(i) and the layer importance on one shared layer axis."""

@@ -6,7 +6,7 @@ import torch
 
 from adept_ext import reference
 from adept_ext.data import context_query_task, fewshot_topic_task
-from adept_ext.lens import allocate, diagnose, layer_sensitivity, logit_lens
+from adept_ext.lens import Diagnosis, allocate, diagnose, layer_sensitivity, logit_lens
 from adept_ext.probe import layer_importance
 from tiny_models import ARCHS, padded_batches, tiny_model
 
@@ -159,6 +159,7 @@ def test_diagnosis_json_and_plot(tmp_path):
     saved = json.loads((tmp_path / "d.json").read_text())
     assert len(saved["lens"]["p_task"]) == len(saved["sensitivity"]["js"]) == len(saved["importance"]["scores"]) == 4
     assert (tmp_path / "d.png").stat().st_size > 10_000
+    assert Diagnosis.from_json(tmp_path / "d.json") == diagnosis
 
 
 def test_fewshot_topic_task_structure():
