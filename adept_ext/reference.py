@@ -85,7 +85,7 @@ def context_masked_js(model, batch, context_mask, score_mask):
     def block_context(module, args, kwargs):
         mask = kwargs.get("attention_mask")
         t = batch["input_ids"].shape[1]
-        allowed = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else \
+        allowed = torch.ones(t, t, dtype=torch.bool, device=blocked.device).tril() if mask is None else \
             (mask if mask.dtype == torch.bool else mask == 0)
         allowed = allowed & ~blocked
         kwargs["attention_mask"] = allowed if mask is None or mask.dtype == torch.bool else \
