@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from .models import adapter
 from .ops import linear_cross_entropy
-from .probe import LayerScores, prefix_shared_variants
+from .probe import LayerScores, device_batch, prefix_shared_variants
 from .report import dataclass_json, plot_diagnosis
 
 STRATEGIES = ("freeze_deep", "freeze_shallow")
@@ -123,10 +123,6 @@ def _argmax_rows(rows, weight, chunk_rows):
         torch.zeros(0, dtype=torch.long, device=rows.device)
 
 
-def _device_batch(batch, device):
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 @torch.no_grad()
 def logit_lens(model, batches: Iterable[Dict[str, torch.Tensor]], threshold: float = 0.5,
                ratio_threshold: float = 0.0, eps: float = 1e-6, chunk_rows: int = 256,
@@ -151,7 +147,7 @@ def logit_lens(model, batches: Iterable[Dict[str, torch.Tensor]], threshold: flo
     model.eval()
     try:
         for batch in tqdm(batches, desc="logit lens", disable=not progress):
-            batch = _device_batch(batch, device)
+            batch = device_batch(batch, device)
             score = _scored(batch, _attended(batch))
             states = []
             hooks = [ad.layers[0].register_forward_pre_hook(
@@ -243,7 +239,7 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
     model.eval()
     try:
         for batch in tqdm(batches, desc="layer sensitivity", disable=not progress):
-            batch = _device_batch(batch, device)
+            batch = device_batch(batch, device)
             context, query = batch["context_mask"].bool() & _attended(batch), _query(batch)
             score = _scored(batch, query) & query
             if not score.any():

@@ -88,7 +88,8 @@ def _capture_layer_inputs(layers):
             h.remove()
 
 
-def _device_batch(batch, device):
+def device_batch(batch, device):
+    """Every tensor of a batch dict on `device`."""
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -245,7 +246,7 @@ def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: 
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     try:
         for batch in tqdm(batches, desc=f"probing layers ({method})", disable=not progress):
-            s, n = per_batch(ad, _device_batch(batch, device), chunk_rows, max_tokens_per_call)
+            s, n = per_batch(ad, device_batch(batch, device), chunk_rows, max_tokens_per_call)
             sums += s
             tokens += n
     finally:
