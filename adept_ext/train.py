@@ -1,12 +1,15 @@
 """The main job: continual pretraining of a causal LM on a domain corpus while keeping its
 general ability — ADEPT (SPEC §1) and the baselines it is compared with, on the same data and
-token budget.
+token budget. The methods live in `adept_ext.methods` behind one registry; this runner only
+calls their hooks.
 
 `run(RunConfig(...))` loads the model and both corpora, measures the base model's held-out
 general and domain loss, prepares the method (probe + expansion for ADEPT), trains with AdamW
 (warmup + cosine, gradient accumulation and clipping, bf16 autocast on GPUs that support it),
 evaluates periodically, writes atomic checkpoints (a killed run resumes to the same result),
 and writes the adapted model (plain HF checkpoint), report.json, report.md and PNG plots.
+The pieces shared with the task-sequence runner (`continual.py`) are here too: the options
+both take, evaluation, the training loop, checkpoints and atomic writes.
 """
 import json
 import math
@@ -17,57 +20,48 @@ import resource
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 from tqdm.auto import tqdm
 
 from . import data
-from .expand import expand_layers
-from .lens import Diagnosis, allocate, diagnose
-from .lr import DecoupledLR, param_groups
-from .models import adapter, load_model
-from .probe import layer_importance
-from .report import plot_loss_curves, plot_unit_rates
-from .units import UnitImportance
+from .lens import Diagnosis, diagnose
+from .methods import Context, create, method_names
+from .methods.adept import explicit_layers
+from .methods.base import REGISTRY
+from .models import load_model
+from .report import plot_loss_curves
 
-METHODS = ("adept", "full", "llama_pro", "freeze_deep", "lora", "adept_no_expand", "adept_uniform_lr")
+METHODS = tuple(method_names(single_domain=True))
 DIAGNOSIS_TASKS = ("bbc-topic", "context")
-LAYER_METHODS = ("adept", "llama_pro", "adept_no_expand", "adept_uniform_lr")  # methods that take k / --layers
+LAYER_METHODS = tuple(name for name in METHODS if REGISTRY[name].takes_layers)  # methods that take k / --layers
 CHECKPOINT = "checkpoint.pt"
 
 
 @dataclass
-class RunConfig:
-    """Every option of a run, with its default (the embedded default: SmolLM2-135M, BBC News as
-    general corpus, Python docs as domain corpus, sized for a few minutes on 2 CPU cores)."""
+class TrainOptions:
+    """Options of every runner (one domain or a task sequence), with their defaults."""
 
     model: str = "smollm2-135m"       # local HF checkpoint directory or an embedded model name
-    general: str = "bbc-news"         # general-domain corpus: file, folder, JSONL or built-in name
-    domain: str = "python-docs"       # domain corpus (what the model is adapted to)
     out: str = "runs/demo"            # output directory
-    method: str = "adept"             # one of METHODS
-    k: int = 4                        # layers to expand / train (adept, llama_pro, adept_no_expand)
-    layers: str = ""                  # explicit layers to expand / train, e.g. "7,14,21,29" (overrides k)
+    method: str = "adept"             # a registered method (adept_ext.methods)
+    k: int = 4                        # layers to expand / train (adept, llama_pro, adept_no_expand, *_seq per task)
     block_len: int = 128              # tokens per block
     batch_size: int = 4               # blocks per micro-batch
     grad_accum: int = 1               # micro-batches per optimizer step
-    steps: int = 60                   # optimizer steps
+    steps: int = 60                   # optimizer steps (per task in a sequence)
     lr: float = 3e-4                  # base learning rate
     warmup_steps: int = 6             # linear warmup, then cosine decay to 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0        # gradient clipping (0 = off)
     probe_blocks: int = 8             # general blocks used to probe layers and score units
     eval_blocks: int = 16             # held-out blocks per corpus for evaluation
-    eval_every: int = 20              # held-out evaluation every N steps (0 = only at the end)
     save_every: int = 20              # checkpoint every N steps (0 = never)
     recompute_every: int = 20         # ADEPT: recompute unit importance every N steps
     normalize: str = "rank"           # ADEPT: unit-importance normalisation (rank, per_kind, global)
-    boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
-    diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
-    diagnosis_queries: int = 8        # composite inputs used by the diagnosis
     lora_rank: int = 8
     seed: int = 0
     bf16: str = "auto"                # auto (GPU with bf16 support) | on | off
@@ -76,47 +70,64 @@ class RunConfig:
     overwrite: bool = False           # replace an existing run in `out`
 
 
+@dataclass
+class RunConfig(TrainOptions):
+    """Every option of a one-domain run (the embedded default: SmolLM2-135M, BBC News as general
+    corpus, Python docs as domain corpus, sized for a few minutes on 2 CPU cores)."""
+
+    general: str = "bbc-news"         # general-domain corpus: file, folder, JSONL or built-in name
+    domain: str = "python-docs"       # domain corpus (what the model is adapted to)
+    layers: str = ""                  # explicit layers to expand / train, e.g. "7,14,21,29" (overrides k)
+    eval_every: int = 20              # held-out evaluation every N steps (0 = only at the end)
+    boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
+    diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
+    diagnosis_queries: int = 8        # composite inputs used by the diagnosis
+
+
 class RunError(Exception):
     """A problem with the inputs of a run, reported as one line."""
 
 
-def config_from(overrides: Dict) -> RunConfig:
-    known = {f.name for f in fields(RunConfig)}
+def options_from(cls, overrides: Dict, sequence: bool = False):
+    """`cls` (RunConfig or ContinualConfig) from a dict of options, with every value checked; the
+    method is created once here so that its own options are checked too. RunError on bad input."""
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise RunError(f"unknown option(s): {', '.join(unknown)}")
-    if isinstance(overrides.get("layers"), list):  # TOML: layers = [7, 14]
-        overrides = {**overrides, "layers": ",".join(map(str, overrides["layers"]))}
-    if isinstance(overrides.get("boundary"), int):  # TOML: boundary = 12
-        overrides = {**overrides, "boundary": str(overrides["boundary"])}
-    cfg = RunConfig(**overrides)
-    if cfg.method not in METHODS:
-        raise RunError(f"unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
-    for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every",
-                 "diagnosis_queries"):
+    cfg = cls(**overrides)
+    for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
+    try:
+        create(cfg.method, cfg, sequence=sequence)
+    except ValueError as e:  # MethodError or a method's own option check
+        raise RunError(str(e)) from None
+    return cfg
+
+
+def config_from(overrides: Dict) -> RunConfig:
+    """A checked RunConfig from a dict of options (flags, TOML)."""
+    if isinstance(overrides.get("layers"), list):  # TOML: layers = [7, 14]
+        overrides = {**overrides, "layers": ",".join(map(str, overrides["layers"]))}
+    if isinstance(overrides.get("boundary"), int):  # TOML: boundary = 12
+        overrides = {**overrides, "boundary": str(overrides["boundary"])}
+    cfg = options_from(RunConfig, overrides)
+    if cfg.diagnosis_queries < 1:
+        raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
     if cfg.boundary not in ("half", "auto") and not cfg.boundary.isdigit():
         raise RunError(f"boundary must be half, auto or a layer count, got {cfg.boundary!r}")
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     if cfg.layers and cfg.method not in LAYER_METHODS:
         raise RunError(f"--layers applies to {', '.join(LAYER_METHODS)}, not {cfg.method}")
-    explicit_layers(cfg)
-    return cfg
-
-
-def explicit_layers(cfg) -> Optional[List[int]]:
-    """The --layers choice as sorted distinct indices, or None when the method chooses."""
-    if not cfg.layers:
-        return None
     try:
-        layers = sorted({int(x) for x in cfg.layers.split(",")})
-    except ValueError:
-        raise RunError(f"--layers must be comma-separated layer indices, got {cfg.layers!r}") from None
-    return layers
+        explicit_layers(cfg)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    return cfg
 
 
 def _device(cfg) -> torch.device:
@@ -154,18 +165,6 @@ def _atomic_write(path: Path, write):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-
-
-def _check_model_args(cfg, model):
-    """Options that depend on the model: k and the freeze_deep boundary."""
-    n = adapter(model).num_layers
-    if cfg.method in LAYER_METHODS and not 0 < cfg.k <= n:
-        raise RunError(f"k = {cfg.k} is not in [1, {n}] for a model with {n} layers")
-    bad = [l for l in explicit_layers(cfg) or [] if not 0 <= l < n]
-    if bad:
-        raise RunError(f"--layers {bad} out of range for a model with {n} layers")
-    if cfg.method == "freeze_deep" and cfg.boundary.isdigit() and not 1 <= int(cfg.boundary) <= n - 1:
-        raise RunError(f"boundary {cfg.boundary} is not in [1, {n - 1}] for a model with {n} layers")
 
 
 def _check_memory(cfg, model):
@@ -220,19 +219,6 @@ class Corpora:
         self.domain_train = data.batches(d_train, cfg.batch_size)
 
 
-@dataclass
-class Prepared:
-    """What a method trains and how."""
-
-    trainable: List[torch.nn.Parameter]
-    groups: List[Dict]
-    layers: List[int] = field(default_factory=list)   # expanded / trained layers
-    importance: Optional[UnitImportance] = None        # ADEPT's decoupled rates
-    scores: Optional[object] = None                     # LayerScores of the probe
-    peft_model: Optional[torch.nn.Module] = None        # the PEFT wrapper (lora), merged before saving
-    diagnosis: Optional[Diagnosis] = None               # LayerTracer diagnosis (freeze_deep --boundary auto)
-
-
 def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:
     """Composite inputs s_1 ⊕ s_2 for LayerTracer (SPEC §3): few-shot BBC News topic
     classification (bbc-topic), or the general probe blocks split in half into context and
@@ -249,62 +235,6 @@ def run_diagnosis(model, cfg, corpora, importance=None, progress=True) -> Diagno
         return diagnose(model, diagnosis_batches(cfg, corpora), importance, progress=progress)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(f"diagnosis: {e}") from e
-
-
-def _train_only(model, params) -> List[torch.nn.Parameter]:
-    """Freeze every parameter of `model` except `params`; returns them as a list."""
-    params = list(params)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    return params
-
-
-def prepare(model, cfg, corpora, layers=None, progress=True) -> Prepared:
-    """Set up `cfg.method` on `model` (in place). `layers` replays an earlier choice (resume), else
-    `cfg.layers` overrides the method's choice. A model that is already expanded (config.adept)
-    keeps its copies for adept/adept_uniform_lr."""
-    ad = adapter(model)
-    n = ad.num_layers
-    scores, peft_model, diagnosis = None, None, None
-    layers = layers if layers is not None else explicit_layers(cfg)
-    existing = (getattr(model.config, "adept", None) or {}).get("expanded_layers")
-    reuse_copies = cfg.method in ("adept", "adept_uniform_lr") and bool(existing)
-    if cfg.method in ("adept", "adept_no_expand", "adept_uniform_lr") and layers is None and not reuse_copies:
-        scores = layer_importance(model, corpora.general_probe, progress=progress)
-        layers = scores.select(cfg.k)
-    if reuse_copies:
-        layers = list(existing)
-        trainable = _train_only(model, expand_layers(model, []))
-    elif cfg.method in ("adept", "adept_uniform_lr", "llama_pro"):
-        if cfg.method == "llama_pro" and layers is None:
-            layers = [round((i + 1) * n / cfg.k) - 1 for i in range(cfg.k)]  # uniform, as LLaMA-Pro
-        trainable = expand_layers(model, layers)
-    elif cfg.method == "adept_no_expand":
-        model.config.adept = {"expanded_layers": list(layers), "source_layers": list(layers)}
-        trainable = _train_only(model, (p for l in layers for p in ad.layers[l].parameters()))
-    elif cfg.method == "freeze_deep":
-        if cfg.boundary == "auto":
-            diagnosis = run_diagnosis(model, cfg, corpora, progress=progress)
-        layers = allocate(n, "freeze_deep", diagnosis, int(cfg.boundary) if cfg.boundary.isdigit() else None)
-        trainable = _train_only(model, (p for l in layers for p in ad.layers[l].parameters()))
-    elif cfg.method == "full":
-        layers, trainable = [], _train_only(model, model.parameters())
-    else:  # lora
-        from peft import LoraConfig, get_peft_model
-
-        peft_model = get_peft_model(model, LoraConfig(
-            r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        layers, trainable = [], [p for p in peft_model.parameters() if p.requires_grad]
-    importance = None
-    if cfg.method in ("adept", "adept_no_expand"):
-        groups = param_groups(model, cfg.lr, cfg.weight_decay)
-        importance = UnitImportance(model, corpora.general_probe, normalize=cfg.normalize)
-    else:
-        groups = [{"params": trainable, "lr": cfg.lr, "weight_decay": cfg.weight_decay}]
-    return Prepared(trainable, groups, list(layers or []), importance, scores, peft_model, diagnosis)
 
 
 def _schedule(cfg):
@@ -357,19 +287,77 @@ def _prepare_out(cfg) -> Path:
     return out
 
 
+def train_steps(model, method, setup, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
+                desc: str, progress: bool, after_step: Callable[[int], None]) -> int:
+    """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
+    batches per step, bf16 autocast when `bf16`, gradient clipping), the loss from `method.loss`;
+    appends to `history["train"]` and calls `after_step(step)` after each step. Returns the step."""
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)
+    try:
+        while step < cfg.steps:
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for micro in range(cfg.grad_accum):
+                batch = batches[(step * cfg.grad_accum + micro) % len(batches)]
+                batch = {k: v.to(device) for k, v in batch.items()}
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = method.loss(model, batch) / cfg.grad_accum
+                loss.backward()
+                loss_sum += float(loss.detach())
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(setup.trainable, cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            history["train"].append({"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0]})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_sum:.3f}")
+            after_step(step)
+    finally:
+        bar.close()
+    return step
+
+
+def optimizer_for(method, setup, cfg):
+    """AdamW over the method's param groups with warmup + cosine, and the method's step hooks."""
+    optimizer = torch.optim.AdamW(setup.groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
+    method.attach(optimizer)
+    return optimizer, scheduler
+
+
+def training_state(model, method, optimizer, scheduler) -> Dict:
+    """What a checkpoint needs to continue a task exactly: trainable weights, optimizer, schedule,
+    the method's state and every RNG."""
+    return {"trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "method": method.state_dict(), "rng": _rng_state()}
+
+
+def load_training_state(state: Dict, model, method, optimizer, scheduler):
+    names = dict(model.named_parameters())
+    for name, value in state["trainable"].items():
+        names[name].data.copy_(value)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    method.load_state_dict(state["method"])
+    _set_rng_state(state["rng"])
+
+
 def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     """All stages of a run; returns the report (also written to `cfg.out`)."""
     started = time.time()
     device = _device(cfg)
     bf16 = _use_bf16(cfg, device)
     _check_out(cfg)
+    method = create(cfg.method, cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
         model, tokenizer = load_model(cfg.model, device=device)
+        method.check(model)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    _check_model_args(cfg, model)
     _check_memory(cfg, model)
     try:
         corpora = Corpora(cfg, tokenizer)
@@ -391,79 +379,50 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
 
     t0 = time.time()
-    prepared = prepare(model, cfg, corpora, layers=checkpoint["layers"] if checkpoint else None, progress=progress)
+    ctx = Context(corpora.general_probe, progress, diagnosis_batches=lambda: diagnosis_batches(cfg, corpora), log=log)
+    try:
+        setup = method.prepare(model, ctx, layers=checkpoint["layers"] if checkpoint else None)
+    except ValueError as e:
+        raise RunError(str(e)) from e
     total_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in prepared.trainable)
-    stage("prepare", t0, layers=prepared.layers, trainable_parameters=n_trainable,
+    n_trainable = sum(p.numel() for p in setup.trainable)
+    stage("prepare", t0, layers=setup.layers, trainable_parameters=n_trainable,
           trainable_fraction=n_trainable / total_params)
-    if prepared.scores is not None:
-        prepared.scores.to_json(out / "layer_importance.json")
-        prepared.scores.plot(out / "layer_importance.png", highlight=prepared.layers)
-    if prepared.diagnosis is not None:
-        prepared.diagnosis.to_json(out / "diagnosis.json")
-        prepared.diagnosis.plot(out / "diagnosis.png", f"LayerTracer diagnosis ({cfg.diagnosis_task})")
-    log(f"{cfg.method}: {len(prepared.layers)} layers {prepared.layers}, trainable {n_trainable / 1e6:.1f}M "
-        f"({n_trainable / total_params:.1%})")
+    method.write_artifacts(out)
+    log(f"{cfg.method}: {setup.summary}; trainable {n_trainable / 1e6:.1f}M ({n_trainable / total_params:.1%})")
 
-    optimizer = torch.optim.AdamW(prepared.groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
-    decoupled = DecoupledLR(optimizer, prepared.importance, every=cfg.recompute_every) if prepared.importance else None
+    optimizer, scheduler = optimizer_for(method, setup, cfg)
     history = {"train": [], "eval": []}
     step = 0
     if checkpoint:
-        names = dict(model.named_parameters())
-        for name, value in checkpoint["trainable"].items():
-            names[name].data.copy_(value)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        if decoupled:
-            decoupled.load_state_dict(checkpoint["decoupled"])
+        load_training_state(checkpoint, model, method, optimizer, scheduler)
         history, step = checkpoint["history"], checkpoint["step"]
-        _set_rng_state(checkpoint["rng"])
         log(f"resumed at step {step}")
 
     def save_checkpoint():
-        state = {"step": step, "layers": prepared.layers, "base": base, "history": history, "rng": _rng_state(),
-                 "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
-                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "decoupled": decoupled.state_dict() if decoupled else None}
+        state = {"step": step, "layers": setup.layers, "base": base, "history": history,
+                 **training_state(model, method, optimizer, scheduler)}
         _atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+
+    def after_step(done):
+        nonlocal step
+        step = done
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            history["eval"].append({"step": step,
+                                    "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
+                                    "domain_loss": evaluate(model, corpora.domain_eval, device, "eval domain", progress)})
+        if cfg.save_every and step % cfg.save_every == 0:
+            save_checkpoint()
 
     t0 = time.time()
     model.train()
-    batches = corpora.domain_train
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"training ({cfg.method})", disable=not progress)
     try:
-        while step < cfg.steps:
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for micro in range(cfg.grad_accum):
-                batch = batches[(step * cfg.grad_accum + micro) % len(batches)]
-                batch = {k: v.to(device) for k, v in batch.items()}
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = model(**batch, use_cache=False).loss / cfg.grad_accum
-                loss.backward()
-                loss_sum += float(loss.detach())
-            if cfg.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(prepared.trainable, cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            history["train"].append({"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0]})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.3f}")
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                history["eval"].append({"step": step,
-                                        "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
-                                        "domain_loss": evaluate(model, corpora.domain_eval, device, "eval domain", progress)})
-            if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint()
+        step = train_steps(model, method, setup, optimizer, scheduler, corpora.domain_train, cfg, device, bf16,
+                           history, step, f"training ({cfg.method})", progress, after_step)
     except KeyboardInterrupt:
-        bar.close()
         save_checkpoint()
         log(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
         raise
-    bar.close()
     stage("train", t0, steps=step, tokens=step * cfg.grad_accum * cfg.batch_size * cfg.block_len)
 
     t0 = time.time()
@@ -473,20 +432,13 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     stage("final_eval", t0, **final)
 
     t0 = time.time()
-    if decoupled:
-        decoupled.remove()
-        report["unit_rates"] = {"multipliers": dict(zip([u.name for u in prepared.importance.units], decoupled.multipliers)),
-                                "mean_multiplier": decoupled.mean_multiplier, "recomputes": decoupled.recomputes}
-        plot_unit_rates(prepared.importance.units, decoupled.multipliers, out / "unit_rates.png")
-    final_model = prepared.peft_model.merge_and_unload() if prepared.peft_model is not None else model
-    if cfg.method == "adept_no_expand":
-        del final_model.config.adept  # nothing was expanded
+    final_model = method.end_task(model, out, report)
     _atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     stage("save", t0)
     plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
 
     report.update({
-        "method": cfg.method, "layers": prepared.layers, "base": base, "final": final,
+        "method": cfg.method, "layers": setup.layers, "base": base, "final": final,
         "forgetting_general_delta": final["general_loss"] - base["general_loss"],
         "gain_domain_delta": base["domain_loss"] - final["domain_loss"],
         "perplexity": {"base_general": math.exp(base["general_loss"]), "final_general": math.exp(final["general_loss"]),

@@ -1,0 +1,22 @@
+"""LLaMA-Pro (Wu et al., ACL 2024; ADEPT's main baseline, SPEC §1.4): k function-preserving copies
+spaced uniformly through the depth — after layers round((i+1)·L/k) − 1, i = 0..k−1 — trained at
+one learning rate."""
+from typing import List
+
+from ..models import adapter
+from .adept import ExpandMethod
+from .base import register
+
+
+def uniform_layers(num_layers: int, k: int) -> List[int]:
+    """LLaMA-Pro's placement: the last layer of each of k equal blocks of the depth."""
+    return [round((i + 1) * num_layers / k) - 1 for i in range(k)]
+
+
+@register
+class LlamaPro(ExpandMethod):
+    name = "llama_pro"
+    description = "LLaMA-Pro: k copies spaced uniformly through the depth, one learning rate"
+
+    def choose(self, model, ctx) -> List[int]:
+        return uniform_layers(adapter(model).num_layers, self.cfg.k)

@@ -1,0 +1,51 @@
+"""LoRA (Hu et al., ICLR 2022) through PEFT: a rank-r adapter (alpha = 2r, no dropout) on every
+attention and MLP projection, the base weights frozen; merged into the weights at the end, so
+the saved model is a plain Hugging Face checkpoint. `seq_lora`: a fresh adapter per task,
+merged after it (SPEC §5)."""
+from typing import Dict
+
+from .base import Method, Setup, register
+
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_adapters(model):
+    """(module name, PEFT LoRA layer) of every adapted projection of `model`."""
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+@register
+class Lora(Method):
+    name = "lora"
+    description = "LoRA on every projection (PEFT), merged into the weights at the end"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if cfg.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {cfg.lora_rank}")
+        self.peft_model = None
+
+    def prepare(self, model, ctx, layers=None) -> Setup:
+        from peft import LoraConfig, get_peft_model
+
+        r = self.cfg.lora_rank
+        self.peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                                           target_modules=TARGET_MODULES))
+        trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
+        return Setup(trainable, self.groups(trainable), [], f"trains rank-{r} LoRA adapters on {', '.join(TARGET_MODULES)}")
+
+    def end_task(self, model, out, report: Dict):
+        """Merge the adapter into the weights: a plain model again."""
+        merged = self.peft_model.merge_and_unload()
+        self.peft_model = None
+        return super().end_task(merged, out, report)
+
+
+@register
+class SeqLora(Lora):
+    name = "seq_lora"
+    description = "a fresh LoRA adapter per task, merged into the weights after it"
+    single_domain = False
+    sequence = True

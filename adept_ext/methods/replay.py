@@ -1,0 +1,57 @@
+"""Experience replay (SPEC §5), the simplest strong continual-learning baseline: while task t
+trains, a buffer of the earlier tasks' training examples is mixed into its data — from each
+earlier task max(1, round(f·n_i)) of its n_i training blocks, f = `replay_fraction` (default
+0.02), drawn once per task with the run's seed — on top of `seq_full` (default) or `seq_lora`
+(`replay_base`)."""
+import random
+from typing import Dict, List
+
+import torch
+
+from .base import Method, create, register
+
+BASES = ("full", "lora")
+
+
+@register
+class Replay(Method):
+    name = "replay"
+    description = "seq_full (or seq_lora) with a small buffer of earlier tasks' examples mixed in"
+    single_domain = False
+    sequence = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if not 0 < cfg.replay_fraction <= 1:
+            raise ValueError(f"replay_fraction must be in (0, 1], got {cfg.replay_fraction}")
+        if cfg.replay_base not in BASES:
+            raise ValueError(f"replay_base must be one of {', '.join(BASES)}, got {cfg.replay_base!r}")
+        self.base = create(f"seq_{cfg.replay_base}", cfg, sequence=True)
+
+    def prepare(self, model, ctx, layers=None):
+        setup = self.base.prepare(model, ctx, layers)
+        setup.summary += f" on its data plus a {self.cfg.replay_fraction:.0%} replay buffer of earlier tasks"
+        return setup
+
+    def train_blocks(self, blocks: List[Dict[str, torch.Tensor]], task_index: int) -> Dict[str, torch.Tensor]:
+        """Task `task_index`'s blocks with the buffer rows appended, in one seeded shuffle."""
+        rng = random.Random(self.cfg.seed * 1000 + task_index)
+        parts = [blocks[task_index]]
+        for earlier in blocks[:task_index]:
+            n = earlier["input_ids"].shape[0]
+            rows = torch.tensor(sorted(rng.sample(range(n), max(1, round(self.cfg.replay_fraction * n)))))
+            parts.append({k: v[rows] for k, v in earlier.items()})
+        mixed = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}  # every task's blocks are block_len wide
+        order = list(range(mixed["input_ids"].shape[0]))
+        rng.shuffle(order)
+        return {k: v[torch.tensor(order)] for k, v in mixed.items()}
+
+    def attach(self, optimizer):
+        self.base.attach(optimizer)
+
+    def loss(self, model, batch):
+        return self.base.loss(model, batch)
+
+    def end_task(self, model, out, report):
+        return self.base.end_task(model, out, report)
+

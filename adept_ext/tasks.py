@@ -1,0 +1,180 @@
+"""Tasks of a continual-learning sequence (SPEC §5): a named corpus with a training and a held-out
+split, of one of two kinds —
+
+- `text` (continual pretraining): token blocks; scored by held-out next-token loss, score = −loss;
+- `instruction` (`prompt` → `answer`): one block per example, "prompt answer<eos>" with only the
+  answer and EOS labelled; scored by exact-match accuracy of the greedy answer (the greedy
+  next-token prediction equals the answer at every answer position, given the prompt — what
+  greedy decoding would produce before EOS) and by the answer loss; score = accuracy.
+
+Sources: a text file / folder / JSONL with "text" (text task), a JSONL with "prompt" and "answer"
+(instruction task), or a built-in name: `python-docs`, `python-source` (text) and `bbc-topic`
+(BBC News article → its category word). The built-in sequence (`builtin`) is python-docs →
+python-source → bbc-topic, and the general corpus held out from every task is BBC News text
+from the half of the articles that `bbc-topic` never uses.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from . import data
+
+BUILTIN_SEQUENCE = ("python-docs", "python-source", "bbc-topic")
+KINDS = ("text", "instruction")
+TOPIC_WORDS = 60  # words of an article in a bbc-topic prompt
+
+
+@dataclass
+class Task:
+    """A task's training and held-out blocks ([n, block_len] input_ids, attention_mask, labels)."""
+
+    name: str
+    kind: str
+    train: Dict[str, torch.Tensor]
+    held: Dict[str, torch.Tensor]
+
+    @property
+    def metric(self) -> str:
+        return "accuracy" if self.kind == "instruction" else "-loss"
+
+
+def bbc_halves() -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
+    """BBC News (article, category) pairs split in two fixed halves by position in the sorted
+    corpus: (general, topic) — the topic-classification task never sees the general half."""
+    articles = data.bbc_news_labelled()
+    return articles[1::2], articles[0::2]
+
+
+def general_texts(source: str) -> List[str]:
+    """The general corpus of a sequence: for `bbc-news`, only the half `bbc-topic` never uses."""
+    if source == "bbc-news":
+        return [text for text, _ in bbc_halves()[0]]
+    return data.load_texts(source)
+
+
+def read_examples(path: Path) -> List[Tuple[str, str]]:
+    """(prompt, answer) pairs of an instruction JSONL; ValueError naming the line otherwise."""
+    examples = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
+                and isinstance(record.get("answer"), str) and record["answer"].strip()):
+            raise ValueError(f"{path}:{n}: an instruction task needs a string 'prompt' and a non-empty 'answer'")
+        examples.append((record["prompt"], record["answer"]))
+    return examples
+
+
+def topic_examples() -> List[Tuple[str, str]]:
+    """bbc-topic: "Article: <first words>\\nTopic:" → " <category>" over the topic half."""
+    return [(f"Article: {' '.join(text.split()[:TOPIC_WORDS])}\nTopic:", f" {topic}") for text, topic in bbc_halves()[1]]
+
+
+def _is_instruction_jsonl(path: Path) -> bool:
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                return False
+            return isinstance(record, dict) and "text" not in record
+    return False
+
+
+def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len: int) -> Dict[str, torch.Tensor]:
+    """One right-padded block per example: prompt tokens (cut from the left to fit), answer tokens
+    and EOS, labels only on the answer and EOS."""
+    eos = tokenizer.eos_token_id
+    rows, answer_starts = [], []
+    for prompt, answer in examples:
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        if len(a) >= block_len:
+            raise ValueError(f"an answer of {len(a)} tokens does not fit a block of {block_len}")
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"][-(block_len - len(a)):] if block_len > len(a) else []
+        rows.append(p + a)
+        answer_starts.append(len(p))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    input_ids, attention_mask = data._pad_rows(rows, pad, block_len)
+    positions = torch.arange(block_len)
+    labelled = (positions >= torch.tensor(answer_starts)[:, None]) & (attention_mask == 1)
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "labels": input_ids.masked_fill(~labelled, -100)}
+
+
+def _split(blocks, seed) -> Tuple[Dict, Dict]:
+    return data.split_blocks(blocks, 0.1, seed)
+
+
+def load_task(source: str, tokenizer, block_len: int, seed: int) -> Task:
+    """The task named or stored at `source` (see the module docstring). ValueError/FileNotFoundError
+    for a missing, empty or malformed source, or one with too little data to hold any out."""
+    path = Path(source)
+    if source == "bbc-topic":
+        kind, name, examples = "instruction", source, topic_examples()
+    elif source in data.BUILTIN_CORPORA:
+        kind, name, examples = "text", source, None
+    elif path.suffix == ".jsonl" and path.is_file() and _is_instruction_jsonl(path):
+        kind, name, examples = "instruction", path.stem, read_examples(path)
+    else:
+        kind, name, examples = "text", path.stem or path.name, None
+    if kind == "instruction":
+        if len(examples) < 2:
+            raise ValueError(f"task {name!r}: {len(examples)} example(s); at least 2 are needed to hold one out")
+        blocks = instruction_blocks(examples, tokenizer, block_len)
+    else:
+        blocks = data.token_blocks(data.load_texts(source), tokenizer, block_len)
+        if blocks["input_ids"].shape[0] < 2:
+            raise ValueError(f"task {name!r} is shorter than two blocks of {block_len} tokens: nothing to hold out")
+    train, held = _split(blocks, seed)
+    return Task(name, kind, train, held)
+
+
+def load_tasks(spec: str, tokenizer, block_len: int, seed: int) -> List[Task]:
+    """The tasks of `--tasks` (comma-separated sources, or `builtin`), in order; ValueError for
+    an empty list or duplicate names."""
+    sources = list(BUILTIN_SEQUENCE) if spec == "builtin" else [s.strip() for s in spec.split(",") if s.strip()]
+    if not sources:
+        raise ValueError("--tasks names no task")
+    tasks = [load_task(s, tokenizer, block_len, seed) for s in sources]
+    names = [t.name for t in tasks]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate task name(s) {', '.join(duplicates)}: every task needs its own name (file stem)")
+    return tasks
+
+
+def limit(blocks: Dict[str, torch.Tensor], n: int) -> Dict[str, torch.Tensor]:
+    return {k: v[:n] for k, v in blocks.items()}
+
+
+@torch.no_grad()
+def answer_scores(model, blocks: Dict[str, torch.Tensor], batch_size: int, device, eos_id=None) -> Dict[str, float]:
+    """Exact-match accuracy of the greedy answer (the EOS target `eos_id` not required) and the
+    token-weighted answer loss (answer + EOS) over instruction blocks."""
+    was_training = model.training
+    model.eval()
+    correct, total_loss, tokens = 0, 0.0, 0
+    try:
+        for batch in data.batches(blocks, batch_size):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            targets = batch["labels"][:, 1:]
+            logits = logits[:, :-1].float()
+            scored = targets != -100
+            loss = torch.nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum")
+            total_loss += float(loss)
+            tokens += int(scored.sum())
+            answer = scored & (targets != eos_id) if eos_id is not None else scored
+            hit = (logits.argmax(-1) == targets) | ~answer
+            correct += int(hit.all(dim=1).sum())
+    finally:
+        model.train(was_training)
+    return {"accuracy": correct / blocks["input_ids"].shape[0], "answer_loss": total_loss / tokens}
+

@@ -1,0 +1,195 @@
+"""The task-sequence runner, its metrics and the continual methods on a tiny real model with the
+SmolLM2 tokenizer and real text."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from adept_ext import data
+from adept_ext.cli import main
+from adept_ext.continual import config_from, metrics, run
+from adept_ext.methods import method_names
+from adept_ext.models import load_model
+from adept_ext.tasks import answer_scores, instruction_blocks, load_tasks
+from adept_ext.train import RunError
+from tiny_models import tiny_model
+
+SEQUENCE_METHODS = method_names(sequence=True)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("continual")
+    tokenizer = load_model("smollm2-135m")[1]
+    model = tiny_model("llama", layers=4, vocab=len(tokenizer))
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    docs = data.load_texts("python-docs")
+    (root / "docs.txt").write_text("\n\n".join(docs[:4]))
+    topics = data.bbc_news_labelled()[::150]
+    (root / "topics.jsonl").write_text("\n".join(json.dumps({"prompt": " ".join(t.split()[:12]) + "\nTopic:",
+                                                              "answer": f" {c}"}) for t, c in topics))
+    (root / "general.txt").write_text("\n\n".join(data.bbc_news_texts()[1:40:3]))
+    return root
+
+
+def options(ws, out, **kw):
+    base = dict(model=str(ws / "tiny"), tasks=f"{ws / 'docs.txt'},{ws / 'topics.jsonl'}", general=str(ws / "general.txt"),
+                out=str(ws / out), k=1, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=2,
+                eval_blocks=3, save_every=2, recompute_every=2, lr=1e-3, lora_rank=2, replay_fraction=0.5)
+    base.update(kw)
+    return config_from(base)
+
+
+def quiet(*args):
+    pass
+
+
+def test_metrics_match_a_hand_computed_two_task_matrix():
+    matrix = [[-3.0, 0.1],   # base
+              [-2.0, 0.3],   # after task 1
+              [-2.5, 0.9]]   # after task 2
+    m = metrics(matrix)
+    assert m["AA"] == pytest.approx((-2.5 + 0.9) / 2)
+    assert m["BWT"] == pytest.approx(-2.5 - -2.0)       # a[2][1] - a[1][1]
+    assert m["FWT"] == pytest.approx(0.3 - 0.1)         # a[1][2] - a[0][2]
+    assert metrics([[1.0], [2.0]]) == {"AA": 2.0, "BWT": None, "FWT": None}
+
+
+def test_instruction_blocks_label_only_the_answer_and_accuracy_is_exact_match(workspace):
+    tokenizer = load_model(workspace / "tiny")[1]
+    blocks = instruction_blocks([("Q: two plus two\nA:", " four"), ("x" * 400, " y")], tokenizer, 16)
+    answer = tokenizer(" four", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    row = blocks["labels"][0]
+    assert row[row != -100].tolist() == answer
+    assert blocks["input_ids"].shape == (2, 16) and (blocks["labels"][1] != -100).sum() == 2  # long prompt cut
+    model = tiny_model("llama", layers=2, vocab=len(tokenizer))
+    base = answer_scores(model, blocks, 2, torch.device("cpu"), tokenizer.eos_token_id)
+    assert base["accuracy"] == 0.0 and base["answer_loss"] > 0
+    # Plant the answer: an output layer that always predicts " y" gets the second example (only) right.
+    head = torch.nn.Linear(model.config.hidden_size, len(tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[tokenizer(" y", add_special_tokens=False)["input_ids"][0]] = 1.0
+    model.lm_head = head
+    planted = answer_scores(model, blocks, 2, torch.device("cpu"), tokenizer.eos_token_id)
+    assert planted["accuracy"] == 0.5
+
+
+@pytest.mark.parametrize("method", SEQUENCE_METHODS)
+def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, method):
+    report = run(options(workspace, f"out-{method}", method=method), progress=False, log=quiet)
+    out = workspace / f"out-{method}"
+    for name in ("report.json", "report.md", "matrix.png", "general.png"):
+        assert (out / name).exists()
+    assert not (out / "checkpoint.pt").exists() and not (out / ".resume-model").exists()
+    assert len(report["matrix"]) == 3 and all(len(r) == 2 for r in report["matrix"])
+    assert [t["kind"] for t in report["tasks"]] == ["text", "instruction"]
+    assert report["metrics"]["BWT"] is not None and report["trainable_parameters"][0] > 0
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    if method in ("adept_seq", "llama_pro_seq"):
+        assert model.config.num_hidden_layers == 6  # one copy per task
+        base = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+        copies = model.config.adept["expanded_layers"]
+        originals = [l for i, l in enumerate(model.model.layers) if i not in copies]
+        for a, b in zip(base.model.layers, originals):
+            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_adept_seq_freezes_the_first_tasks_copy_during_the_second(workspace):
+    cfg = options(workspace, "two-stage", method="adept_seq", tasks=str(workspace / "docs.txt"))
+    run(cfg, progress=False, log=quiet)
+    after_one = AutoModelForCausalLM.from_pretrained(workspace / "two-stage" / "model")
+    copy_one = after_one.config.adept["expanded_layers"][0]
+    first_copy = {k: v.clone() for k, v in after_one.model.layers[copy_one].state_dict().items()}
+    after_one.save_pretrained(workspace / "after-one")
+    load_model(workspace / "tiny")[1].save_pretrained(workspace / "after-one")
+    run(options(workspace, "two-stage-b", method="adept_seq", model=str(workspace / "after-one"),
+                tasks=str(workspace / "topics.jsonl")), progress=False, log=quiet)
+    after_two = AutoModelForCausalLM.from_pretrained(workspace / "two-stage-b" / "model")
+    copies = after_two.config.adept["expanded_layers"]
+    assert len(copies) == 2
+    unchanged = [i for i in copies if all(torch.equal(v, after_two.model.layers[i].state_dict()[k])
+                                          for k, v in first_copy.items())]
+    assert len(unchanged) == 1, "the first task's copy changed while the second task trained"
+
+
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora"])
+def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
+    full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
+    import adept_ext.continual as continual_module
+
+    real = continual_module.train_steps
+    calls = {"n": 0}
+
+    def interrupting(model, method_, setup, optimizer, scheduler, batches, cfg, *args):
+        calls["n"] += 1
+        if calls["n"] == 2:  # inside the second task, after 3 of its 4 steps (checkpoint at step 2)
+            after = args[-1]
+
+            def stop_after_three(step):
+                after(step)
+                if step == 3:
+                    raise KeyboardInterrupt
+            return real(model, method_, setup, optimizer, scheduler, batches, cfg, *args[:-1], stop_after_three)
+        return real(model, method_, setup, optimizer, scheduler, batches, cfg, *args)
+
+    monkeypatch.setattr(continual_module, "train_steps", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        run(options(workspace, f"killed-{method}", method=method, steps=4), progress=False, log=quiet)
+    assert (workspace / f"killed-{method}" / "checkpoint.pt").exists()
+    monkeypatch.setattr(continual_module, "train_steps", real)
+    resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True), progress=False, log=quiet)
+    flat = lambda m: [v for row in m for v in row]  # noqa: E731
+    assert flat(resumed["matrix"]) == pytest.approx(flat(full["matrix"]), rel=1e-5)
+    assert resumed["general_loss"] == pytest.approx(full["general_loss"], rel=1e-5)
+
+
+def test_builtin_sequence_tasks(workspace):
+    tokenizer = load_model(workspace / "tiny")[1]
+    tasks = load_tasks("builtin", tokenizer, 64, 0)
+    assert [(t.name, t.kind) for t in tasks] == [("python-docs", "text"), ("python-source", "text"),
+                                                 ("bbc-topic", "instruction")]
+    topic = tasks[2]
+    labelled = topic.held["labels"][0]
+    answer = tokenizer.decode(labelled[labelled != -100][:-1])
+    assert answer.strip() in ("business", "entertainment", "politics", "sports", "tech")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(tasks="/nonexistent.txt"), "no such file"),
+    (dict(tasks="EMPTY"), "holds no text"),
+    (dict(tasks="BAD"), "needs a string 'prompt'"),
+    (dict(tasks="DUP"), "duplicate task name"),
+    (dict(tasks="ONE"), "at least 2 are needed"),
+    (dict(method="adept"), "does not learn task sequences"),
+    (dict(method="magic"), "unknown method"),
+    (dict(replay_fraction=0.0, method="replay"), "replay_fraction must be in"),
+    (dict(o_lora_lambda=-1.0, method="o_lora"), "o_lora_lambda must be >= 0"),
+])
+def test_bad_inputs_are_one_line_errors_and_write_nothing(workspace, tmp_path, capsys, change, message):
+    (tmp_path / "empty.txt").write_text("  ")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "x", "answer": "y"}) + "\n")
+    names = {"EMPTY": str(tmp_path / "empty.txt"), "BAD": str(tmp_path / "bad.jsonl"), "ONE": str(tmp_path / "one.jsonl"),
+             "DUP": f"{workspace / 'docs.txt'},{workspace / 'docs.txt'}"}
+    change = {k: names.get(v, v) if isinstance(v, str) else v for k, v in change.items()}
+    out = tmp_path / "o"
+    argv = ["continual", "--model", str(workspace / "tiny"), "--general", str(workspace / "general.txt"),
+            "--tasks", str(workspace / "docs.txt"), "--block-len", "32", "--out", str(out), "--no-progress"]
+    for key, value in change.items():
+        flag = "--" + key.replace("_", "-")
+        argv = argv[:argv.index(flag)] + argv[argv.index(flag) + 2:] if flag in argv else argv
+        argv += [flag, str(value)]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("adept-ext: error: ") and message in errors[0]
+    assert not out.exists()
+
+
+def test_errors_before_anything_loads():
+    with pytest.raises(RunError, match="unknown option"):
+        config_from({"learning_rate": 1.0})
