@@ -9,10 +9,14 @@
     adept-ext continual [options] learn a sequence of tasks one after another; score matrix, AA/BWT/FWT
 
 Options come from flags and from a TOML file (--config FILE, flat `option = value` pairs using
-the flag names with underscores); flags override the file.
+the flag names with underscores); flags override the file. `adept-ext COMMAND --help` lists a
+command's own options. `--resume` continues the run in --out with the options it was started
+with (only --steps, --save-every, --eval-every and --device may change).
 """
 import argparse
+import difflib
 import json
+import math
 import sys
 import tomllib
 from dataclasses import fields
@@ -20,7 +24,23 @@ from pathlib import Path
 
 from . import continual
 from .methods import method_names
-from .train import METHODS, RunConfig, RunError, config_from
+from .rundir import RunError, saved_options
+from .train import METHODS, RunConfig, config_from
+
+COMMON = ("model", "out", "block_len", "batch_size", "seed", "device", "overwrite")
+OPTIONS = {  # the options each command shows and takes; run/train/continual take all of their config's
+    "probe": (*COMMON, "general", "k", "probe_blocks"),
+    "expand": (*COMMON, "general", "k", "probe_blocks"),
+    "eval": (*COMMON, "general", "domain", "eval_blocks"),
+    "diagnose": (*COMMON, "general", "domain", "k", "probe_blocks", "eval_blocks", "diagnosis_task", "diagnosis_queries"),
+}
+CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
+                                                   ("run", "train", "probe", "expand", "eval", "diagnose")}}
+SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "resume", "overwrite"}
+ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
+           "block_size": "block_len", "seq_len": "block_len", "max_length": "block_len",
+           "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
+           "output_dir": "out", "model_name_or_path": "model", "warmup": "warmup_steps"}
 
 HELP = {
     "model": "local HF checkpoint directory or embedded model name (smollm2-135m)",
@@ -63,22 +83,28 @@ HELP = {
 }
 
 
+def command_options(command: str):
+    """The config fields a command takes (in its config's order)."""
+    names = [f.name for f in fields(CONFIGS[command])]
+    return [n for n in names if n in OPTIONS[command]] if command in OPTIONS else names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adept-ext", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "train", "probe", "expand", "eval", "diagnose", "continual"):
-        p = sub.add_parser(name, help=__doc__.split(f"adept-ext {name}")[1].split("\n")[0].split("  ")[-1].strip())
+    for name in CONFIGS:
+        summary = __doc__.split(f"adept-ext {name}")[1].split("\n")[0].split("  ")[-1].strip()
+        p = sub.add_parser(name, help=summary, description=f"adept-ext {name}: {summary}")
         p.add_argument("--config", metavar="FILE", help="TOML file with options (flags override it)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
-        cls = CONFIGS[name]
-        defaults = cls()
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = getattr(defaults, f.name)
-            text = HELP[f.name]
-            if f.name == "method":
-                text = "adaptation method: " + ", ".join(method_names(sequence=True) if name == "continual" else METHODS)
+        defaults = CONFIGS[name](out=f"runs/{name}")
+        for option in command_options(name):
+            flag = "--" + option.replace("_", "-")
+            default = getattr(defaults, option)
+            text = HELP[option]
+            if option == "method":
+                text += ": " + ", ".join(method_names(sequence=True) if name == "continual" else METHODS)
             if isinstance(default, bool):
                 p.add_argument(flag, action="store_true", default=None, help=text)
             else:
@@ -87,11 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
-                                                   ("run", "train", "probe", "expand", "eval", "diagnose")}}
+def _unknown_keys(values, allowed, source: str):
+    """RunError naming the first unknown option of `values` and the option it most likely means."""
+    for key in values:
+        if key not in allowed:
+            guess = ALIASES.get(key) or next(iter(difflib.get_close_matches(key, allowed, n=1)), None)
+            hint = f"; did you mean {guess!r}?" if guess in allowed else ""
+            raise RunError(f"{source}: unknown option {key!r}{hint}")
+
+
+def _check_numbers(values):
+    for key, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RunError(f"{key} must be a finite number, got {value}")
 
 
 def resolve_config(args):
+    """The checked config of `args.command`: defaults, then the TOML file, then flags; with
+    --resume, the run's own saved options, overridden only where that is safe."""
+    command, cls = args.command, CONFIGS[args.command]
+    names = [f.name for f in fields(cls)]
     values = {}
     if args.config:
         path = Path(args.config)
@@ -101,9 +142,22 @@ def resolve_config(args):
             values.update(tomllib.loads(path.read_text()))
         except tomllib.TOMLDecodeError as e:
             raise RunError(f"--config {path}: {e}") from e
-    cls = CONFIGS[args.command]
-    values.update({f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None})
-    return continual.config_from(values) if args.command == "continual" else config_from(values)
+        _unknown_keys(values, names, f"--config {path}")
+    values.update({n: getattr(args, n) for n in command_options(command) if getattr(args, n) is not None})
+    values.setdefault("out", f"runs/{command}")
+    if values.get("resume"):
+        saved = saved_options(Path(values["out"]), command)
+        conflicts = [k for k, v in values.items() if k not in SAFE_ON_RESUME and k in saved and saved[k] != v
+                     and not (k == "out")]
+        if conflicts:
+            k = conflicts[0]
+            raise RunError(f"--resume: --{k.replace('_', '-')} {values[k]} differs from the run's own {k} "
+                           f"({saved[k]!r}); only {', '.join(sorted(SAFE_ON_RESUME - {'resume', 'overwrite'}))} "
+                           "may change on resume")
+        values = {**{k: v for k, v in saved.items() if k in names}, **values}
+        values["overwrite"] = False
+    _check_numbers(values)
+    return continual.config_from(values) if command == "continual" else config_from(values)
 
 
 def _probe_or_expand(cfg, command, progress):
@@ -111,15 +165,16 @@ def _probe_or_expand(cfg, command, progress):
     from .expand import expand_layers
     from .models import load_model
     from .probe import layer_importance
-    from .train import _check_out, _device, _prepare_out
+    from .rundir import check_out, prepare_out
+    from .train import _device
 
-    _check_out(cfg)
+    check_out(cfg, command)
     try:
         model, tokenizer = load_model(cfg.model, device=_device(cfg))
         train, _ = split_blocks(token_blocks(load_texts(cfg.general), tokenizer, cfg.block_len), 0.1, cfg.seed)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    out = _prepare_out(cfg)
+    out = prepare_out(cfg, command)
     probe = batches({k: v[:cfg.probe_blocks] for k, v in train.items()}, cfg.batch_size)
     scores = layer_importance(model, probe, progress=progress)
     chosen = scores.select(min(cfg.k, len(scores.scores)))
@@ -135,18 +190,19 @@ def _probe_or_expand(cfg, command, progress):
               f"trainable) written to {out / 'model'}")
 
 
-def _load(cfg):
+def _load(cfg, command):
     """(model, corpora, output directory) after every input has been checked."""
     from .models import load_model
-    from .train import Corpora, _check_out, _device, _prepare_out
+    from .rundir import check_out, prepare_out
+    from .train import Corpora, _device
 
-    _check_out(cfg)
+    check_out(cfg, command)
     try:
         model, tokenizer = load_model(cfg.model, device=_device(cfg))
         corpora = Corpora(cfg, tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    return model, corpora, _prepare_out(cfg)
+    return model, corpora, prepare_out(cfg, command)
 
 
 def _diagnose(cfg, progress):
@@ -154,7 +210,7 @@ def _diagnose(cfg, progress):
     from .probe import layer_importance
     from .train import run_diagnosis
 
-    model, corpora, out = _load(cfg)
+    model, corpora, out = _load(cfg, "diagnose")
     scores = layer_importance(model, corpora.general_probe, progress=progress)
     diagnosis = run_diagnosis(model, cfg, corpora, importance=scores, progress=progress)
     diagnosis.to_json(out / "diagnosis.json")
@@ -170,7 +226,7 @@ def _diagnose(cfg, progress):
 def _evaluate(cfg, progress):
     from .train import _device, evaluate
 
-    model, corpora, out = _load(cfg)
+    model, corpora, out = _load(cfg, "eval")
     device = _device(cfg)
     result = {"model": cfg.model, "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
               "domain_loss": evaluate(model, corpora.domain_eval, device, "eval domain", progress)}

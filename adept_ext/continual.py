@@ -28,9 +28,9 @@ from .methods import Context, create
 from .models import load_model
 from .report import plot_matrix, plot_series
 from .tasks import answer_scores, general_texts, limit, load_tasks
-from .train import (CHECKPOINT, RunError, TrainOptions, _atomic_dir, _atomic_write, _check_memory, _check_out,
-                    _device, _peak_memory_mb, _prepare_out, _rng_state, _set_rng_state, _use_bf16, evaluate,
-                    load_training_state, optimizer_for, options_from, train_steps, training_state)
+from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
+from .train import (TrainOptions, _check_memory, _device, _peak_memory_mb, _rng_state, _set_rng_state, _use_bf16,
+                    evaluate, load_training_state, optimizer_for, options_from, train_steps, training_state)
 
 RESUME_MODEL = ".resume-model"  # the model after the last finished task, while the sequence runs
 
@@ -97,7 +97,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
     started = time.time()
     device = _device(cfg)
     bf16 = _use_bf16(cfg, device)
-    out = _check_out(cfg)
+    out = check_out(cfg, "continual")
     method = create(cfg.method, cfg, sequence=True)
     checkpoint = torch.load(out / CHECKPOINT, weights_only=False) if cfg.resume else None
     torch.manual_seed(cfg.seed)
@@ -111,7 +111,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
     _check_memory(cfg, model)
-    out = _prepare_out(cfg)
+    out = prepare_out(cfg, "continual")
     general_probe = data.batches(limit(g_train, cfg.probe_blocks), cfg.batch_size)
     evaluator = Evaluator(cfg, tasks, data.batches(limit(g_held, cfg.eval_blocks), cfg.batch_size), device,
                           tokenizer.eos_token_id, progress)
@@ -154,7 +154,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
             state = {"completed": t, "step": done, "layers": setup.layers, "rows": rows, "per_task": per_task,
                      "history": history, "task_history": task_history,
                      **training_state(model, method, optimizer, scheduler)}
-            _atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+            atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
         def after_step(done):
             nonlocal step
@@ -183,12 +183,12 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
         log(f"after {task.name}: scores {[round(s, 4) for s in rows[-1]['scores']]}, "
             f"general loss {rows[-1]['general_loss']:.4f}")
         if t + 1 < len(tasks):
-            _atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+            atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
             state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
                      "method": method.state_dict(), "rng": _rng_state()}
-            _atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+            atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
-    _atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started)
     write_report(report, out)
     (out / CHECKPOINT).unlink(missing_ok=True)
@@ -224,8 +224,8 @@ def write_report(report: Dict, out: Path):
                 out / "matrix.png", f"{report['method']}: score on each task (column) after each task (row)")
     plot_series(labels, report["general_loss"], out / "general.png", "general held-out loss",
                 f"{report['method']}: general loss across the sequence")
-    _atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
-    _atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
+    atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
+    atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
 
 
 def markdown_report(report: Dict) -> str:

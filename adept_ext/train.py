@@ -13,12 +13,9 @@ both take, evaluation, the training loop, checkpoints and atomic writes.
 """
 import json
 import math
-import os
 import platform
 import random
 import resource
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -34,11 +31,11 @@ from .methods.adept import explicit_layers
 from .methods.base import REGISTRY
 from .models import load_model
 from .report import plot_loss_curves
+from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
 
 METHODS = tuple(method_names(single_domain=True))
 DIAGNOSIS_TASKS = ("bbc-topic", "context")
 LAYER_METHODS = tuple(name for name in METHODS if REGISTRY[name].takes_layers)  # methods that take k / --layers
-CHECKPOINT = "checkpoint.pt"
 
 
 @dataclass
@@ -46,7 +43,7 @@ class TrainOptions:
     """Options of every runner (one domain or a task sequence), with their defaults."""
 
     model: str = "smollm2-135m"       # local HF checkpoint directory or an embedded model name
-    out: str = "runs/demo"            # output directory
+    out: str = "runs/run"             # output directory
     method: str = "adept"             # a registered method (adept_ext.methods)
     k: int = 4                        # layers to expand / train (adept, llama_pro, adept_no_expand, *_seq per task)
     block_len: int = 128              # tokens per block
@@ -82,10 +79,6 @@ class RunConfig(TrainOptions):
     boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
     diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
     diagnosis_queries: int = 8        # composite inputs used by the diagnosis
-
-
-class RunError(Exception):
-    """A problem with the inputs of a run, reported as one line."""
 
 
 def options_from(cls, overrides: Dict, sequence: bool = False):
@@ -143,28 +136,6 @@ def _use_bf16(cfg, device) -> bool:
     if cfg.bf16 == "on" and not supported:
         raise RunError("--bf16 on needs a GPU with bfloat16 support")
     return cfg.bf16 == "on" or (cfg.bf16 == "auto" and supported)
-
-
-def _umask_mode(mode: int) -> int:
-    """`mode` as the process umask would leave it (temporary files are created private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
-
-
-def _atomic_write(path: Path, write):
-    """Write through a temporary file in the same folder and rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, _umask_mode(0o666))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _check_memory(cfg, model):
@@ -266,27 +237,6 @@ def _peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _check_out(cfg) -> Path:
-    """Refuse, before anything is loaded or written, an output directory that holds another run
-    (unless --resume or --overwrite) and a --resume without a checkpoint."""
-    out = Path(cfg.out)
-    if cfg.resume:
-        if not (out / CHECKPOINT).exists():
-            raise RunError(f"--resume: {out} holds no checkpoint to resume from")
-    elif out.exists() and any(out.iterdir()) and not cfg.overwrite:
-        raise RunError(f"{out} already holds files: pass --resume to continue that run or --overwrite to replace it")
-    return out
-
-
-def _prepare_out(cfg) -> Path:
-    """The output directory, emptied for --overwrite; call once the inputs have been checked."""
-    out = _check_out(cfg)
-    if cfg.overwrite and not cfg.resume and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def train_steps(model, method, setup, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
                 desc: str, progress: bool, after_step: Callable[[int], None]) -> int:
     """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
@@ -349,7 +299,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     started = time.time()
     device = _device(cfg)
     bf16 = _use_bf16(cfg, device)
-    _check_out(cfg)
+    check_out(cfg, "run")
     method = create(cfg.method, cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -363,7 +313,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
         corpora = Corpora(cfg, tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    out = _prepare_out(cfg)
+    out = prepare_out(cfg, "run")
     report = {"config": asdict(cfg), "stages": {}, "machine": {"device": str(device), "threads": torch.get_num_threads(),
                                                                  "platform": platform.platform(), "bf16": bf16}}
 
@@ -402,7 +352,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     def save_checkpoint():
         state = {"step": step, "layers": setup.layers, "base": base, "history": history,
                  **training_state(model, method, optimizer, scheduler)}
-        _atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+        atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
     def after_step(done):
         nonlocal step
@@ -433,7 +383,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
 
     t0 = time.time()
     final_model = method.end_task(model, out, report)
-    _atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     stage("save", t0)
     plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
 
@@ -446,26 +396,12 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
         "trainable_parameters": n_trainable, "trainable_fraction": n_trainable / total_params,
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
         "wall_seconds": round(time.time() - started, 1)})
-    _atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
-    _atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
+    atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
+    atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
     (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: the model replaces it
     log(f"final: general loss {final['general_loss']:.4f} (forgetting {report['forgetting_general_delta']:+.4f}), "
         f"domain loss {final['domain_loss']:.4f} (gain {report['gain_domain_delta']:+.4f}); report: {out / 'report.md'}")
     return report
-
-
-def _atomic_dir(path: Path, write):
-    """Write a directory through a temporary sibling and rename it into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        write(tmp)
-        os.chmod(tmp, _umask_mode(0o777))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def markdown_report(report: Dict) -> str:

@@ -97,7 +97,7 @@ def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys)
     report = json.loads((workspace / "cli" / "report.json").read_text())
     assert report["method"] == "freeze_deep" and report["config"]["block_len"] == 32
     assert main(["run", "--config", str(cfg), "--no-progress"]) == 2
-    assert "already holds files" in capsys.readouterr().err
+    assert "holds a finished run of `adept-ext run`" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -172,3 +172,70 @@ def test_help_documents_every_option(capsys):
     for flag in ("--method", "--k", "--lr", "--steps", "--resume", "--overwrite", "--config", "--recompute-every"):
         assert flag in text
     assert "(default: adept)" in text and "(default: 0.0003)" in text
+
+
+def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspace, monkeypatch, capsys):
+    out = workspace / "resume-cli"
+    import adept_ext.train as train_module
+
+    real_evaluate = train_module.evaluate
+    calls = {"n": 0}
+
+    def interrupting(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first mid-run evaluation, after the step-2 checkpoint
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        run(options(workspace, "resume-cli", method="full", steps=4), progress=False, log=lambda *a: None)
+    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    assert main(["run", "--out", str(out), "--resume", "--method", "lora", "--no-progress"]) == 2
+    assert "differs from the run's own method ('full')" in capsys.readouterr().err
+    assert main(["run", "--out", str(out), "--resume", "--steps", "5", "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "full" and report["config"]["steps"] == 5 and len(report["history"]["train"]) == 5
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 2
+    assert "is finished" in capsys.readouterr().err
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_what_works(workspace, capsys):
+    from adept_ext.rundir import prepare_out
+
+    cfg = options(workspace, "crashed")
+    prepare_out(cfg, "run")  # what a run writes first; then it died
+    base = ["run", "--out", cfg.out, "--model", cfg.model, "--no-progress"]
+    assert main(base) == 2
+    assert "holds an unfinished run" in capsys.readouterr().err
+    assert main(base + ["--resume"]) == 2
+    assert "stopped before its first checkpoint; start it again with --overwrite" in capsys.readouterr().err
+
+
+def test_overwrite_never_deletes_a_directory_adept_ext_did_not_write(workspace, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("my notes")
+    argv = ["run", "--out", str(tmp_path), "--overwrite", "--model", str(workspace / "tiny"), "--no-progress"]
+    assert main(argv) == 2
+    assert "did not write" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
+
+
+def test_each_command_has_its_own_options_default_output_and_description(capsys):
+    from adept_ext.cli import build_parser, resolve_config
+
+    with pytest.raises(SystemExit):
+        main(["probe", "--help"])
+    text = capsys.readouterr().out
+    assert "layer importance of --model" in text and "--probe-blocks" in text
+    for flag in ("--steps", "--lr", "--lora-rank", "--resume", "--method"):
+        assert flag not in text
+    for command in ("run", "probe", "diagnose", "eval", "expand", "continual"):
+        assert resolve_config(build_parser().parse_args([command])).out == f"runs/{command}"
+
+
+def test_unknown_toml_option_names_the_file_and_a_likely_option(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("learning_rate = 1e-4\n")
+    assert main(["run", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and "unknown option 'learning_rate'; did you mean 'lr'?" in err
