@@ -110,7 +110,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
         g_train, g_held = data.split_blocks(general, 0.1, cfg.seed)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    _check_memory(cfg, model)
+    _check_memory(cfg, model, bf16)
     out = prepare_out(cfg, "continual")
     general_probe = data.batches(limit(g_train, cfg.probe_blocks), cfg.batch_size)
     evaluator = Evaluator(cfg, tasks, data.batches(limit(g_held, cfg.eval_blocks), cfg.batch_size), device,
@@ -141,6 +141,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
             raise RunError(f"task {task.name}: {e}") from e
         method.write_artifacts(task_dir)
         n_trainable = sum(p.numel() for p in setup.trainable)
+        _check_memory(cfg, model, bf16, n_trainable)
         log(f"task {t + 1}/{len(tasks)} {task.name}: {setup.summary}; trainable {n_trainable / 1e6:.2f}M")
         optimizer, scheduler = optimizer_for(method, setup, cfg)
         task_history = {"train": []}

@@ -89,9 +89,16 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
     if unknown:
         raise RunError(f"unknown option(s): {', '.join(unknown)}")
     cfg = cls(**overrides)
-    for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every"):
+    for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every", "k"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm"):
+        if not getattr(cfg, name) >= 0:
+            raise RunError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise RunError(f"lr must be a finite number > 0, got {cfg.lr}")
+    if cfg.block_len < 2:
+        raise RunError(f"block_len must be >= 2 (a block needs a next token to score), got {cfg.block_len}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
     try:
@@ -138,19 +145,29 @@ def _use_bf16(cfg, device) -> bool:
     return cfg.bf16 == "on" or (cfg.bf16 == "auto" and supported)
 
 
-def _check_memory(cfg, model):
-    """Refuse a micro-batch whose activations would not fit in the available memory."""
+def _check_memory(cfg, model, bf16: bool = False, trainable: int = 0):
+    """Refuse a run that will not fit in the available memory: the weights, the gradient and two
+    AdamW moments (fp32) of the `trainable` parameters, and one micro-batch's activations (halved
+    under bf16 autocast). Called before anything is written (trainable = 0: can the model run at
+    all?) and again once the method has chosen what trains. The estimate is in the message."""
     c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = trainable * 4 * 3
     per_token = 4 * c.num_hidden_layers * (16 * c.hidden_size + 4 * c.intermediate_size) + 8 * c.vocab_size
-    need = cfg.batch_size * cfg.block_len * per_token + 4 * 4 * sum(p.numel() for p in model.parameters())
+    activations = cfg.batch_size * cfg.block_len * per_token // (2 if bf16 else 1)
+    need = weights + optimizer + activations
     if _device(cfg).type == "cuda":
-        available = torch.cuda.mem_get_info()[0]
+        available = torch.cuda.mem_get_info()[0] + weights  # the weights are already on the device
     else:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024
     if need > available:
-        raise RunError(f"batch_size {cfg.batch_size} x block_len {cfg.block_len} needs about {need / 2**30:.1f} GiB "
-                       f"but {available / 2**30:.1f} GiB are available: lower --batch-size and raise --grad-accum")
+        advice = ("lower --batch-size and raise --grad-accum" if activations > optimizer
+                  else "train fewer parameters (a smaller --k, a LoRA method) or use a device with more memory")
+        raise RunError(f"batch_size {cfg.batch_size} x block_len {cfg.block_len} with {trainable / 1e6:.1f}M trainable "
+                       f"parameters needs about {need / 2**30:.1f} GiB (weights {weights / 2**30:.1f}, optimizer "
+                       f"{optimizer / 2**30:.1f}, activations {activations / 2**30:.1f}) but {available / 2**30:.1f} GiB "
+                       f"are available: {advice}")
 
 
 @torch.no_grad()
@@ -308,7 +325,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
         method.check(model)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    _check_memory(cfg, model)
+    _check_memory(cfg, model, bf16)
     try:
         corpora = Corpora(cfg, tokenizer)
     except (FileNotFoundError, ValueError) as e:
@@ -336,6 +353,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
         raise RunError(str(e)) from e
     total_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in setup.trainable)
+    _check_memory(cfg, model, bf16, n_trainable)
     stage("prepare", t0, layers=setup.layers, trainable_parameters=n_trainable,
           trainable_fraction=n_trainable / total_params)
     method.write_artifacts(out)

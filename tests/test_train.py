@@ -239,3 +239,28 @@ def test_unknown_toml_option_names_the_file_and_a_likely_option(tmp_path, capsys
     assert main(["run", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert str(cfg) in err and "unknown option 'learning_rate'; did you mean 'lr'?" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "-5"], "lr must be a finite number > 0"),
+    (["--lr", "nan"], "lr must be a finite number"),
+    (["--k", "0"], "k must be >= 1"),
+    (["--block-len", "1"], "block_len must be >= 2"),
+    (["--weight-decay", "-1"], "weight_decay must be >= 0"),
+    (["--probe-blocks", "0"], "probe_blocks must be >= 1"),
+])
+def test_bad_values_are_refused_before_anything_is_loaded_or_written(tmp_path, capsys, argv, message):
+    out = tmp_path / "o"
+    assert main(["run", "--out", str(out), "--model", "no-such-model", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err  # not the model error: the values are checked first
+    assert not out.exists()
+
+
+def test_memory_estimate_counts_only_what_trains(workspace):
+    from adept_ext.train import _check_memory
+
+    model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    cfg = options(workspace, "memory")
+    _check_memory(cfg, model, trainable=sum(p.numel() for p in model.parameters()))
+    with pytest.raises(RunError, match=r"optimizer [0-9.]+, activations .* train fewer parameters"):
+        _check_memory(cfg, model, trainable=10**12)
