@@ -50,6 +50,9 @@ HELP = {
     "method": "adaptation method",
     "k": "number of layers to expand (adept, llama_pro; per task: adept_seq, llama_pro_seq) or train (adept_no_expand)",
     "layers": "comma-separated layers to expand or train instead of the method's choice (overrides k)",
+    "placement": "where adept, adept_uniform_lr and adept_no_expand put their k layers: importance (ADEPT), "
+                 "uniform (LLaMA-Pro's spacing), domain_aware, plasticity, depth (below --boundary), spread "
+                 "(least important per depth block); see adept_ext/placement.py",
     "block_len": "tokens per block",
     "batch_size": "blocks per micro-batch",
     "grad_accum": "micro-batches per optimizer step",

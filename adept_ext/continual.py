@@ -27,7 +27,7 @@ from . import data
 from .methods import Context, create
 from .models import load_model
 from .report import plot_matrix, plot_series
-from .tasks import answer_scores, general_texts, limit, load_tasks
+from .tasks import answer_scores, general_texts, load_tasks
 from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
 from .train import (TrainOptions, _check_memory, _device, _peak_memory_mb, _rng_state, _set_rng_state, _use_bf16,
                     evaluate, load_training_state, optimizer_for, options_from, train_steps, training_state)
@@ -79,7 +79,7 @@ class Evaluator:
     def row(self, model, label: str) -> Dict:
         scores, details = [], []
         for task in self.tasks:
-            held = limit(task.held, self.cfg.eval_blocks)
+            held = data.first_blocks(task.held, self.cfg.eval_blocks)
             if task.kind == "instruction":
                 result = answer_scores(model, held, self.cfg.batch_size, self.device, self.eos_id)
                 scores.append(result["accuracy"])
@@ -112,8 +112,8 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
         raise RunError(str(e)) from e
     _check_memory(cfg, model, bf16)
     out = prepare_out(cfg, "continual")
-    general_probe = data.batches(limit(g_train, cfg.probe_blocks), cfg.batch_size)
-    evaluator = Evaluator(cfg, tasks, data.batches(limit(g_held, cfg.eval_blocks), cfg.batch_size), device,
+    general_probe = data.batches(data.first_blocks(g_train, cfg.probe_blocks), cfg.batch_size)
+    evaluator = Evaluator(cfg, tasks, data.batches(data.first_blocks(g_held, cfg.eval_blocks), cfg.batch_size), device,
                           tokenizer.eos_token_id, progress)
     blocks = [t.train for t in tasks]
 
@@ -134,7 +134,8 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
         task, t0 = tasks[t], time.time()
         task_dir = out / f"task-{t + 1}-{task.name}"
         task_dir.mkdir(exist_ok=True)
-        ctx = Context(general_probe, progress, task_index=t, log=log)
+        ctx = Context(general_probe, data.batches(data.first_blocks(blocks[t], cfg.probe_blocks), cfg.batch_size), progress,
+                      task_index=t, log=log)
         try:
             setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
         except ValueError as e:

@@ -157,6 +157,11 @@ def split_blocks(blocks: Dict[str, torch.Tensor], heldout_fraction: float = 0.1,
     return ({key: v[train] for key, v in blocks.items()}, {key: v[held] for key, v in blocks.items()})
 
 
+def first_blocks(blocks: Dict[str, torch.Tensor], n: int) -> Dict[str, torch.Tensor]:
+    """The first `n` blocks (all of them when there are fewer)."""
+    return {k: v[:n] for k, v in blocks.items()}
+
+
 def batches(blocks: Dict[str, torch.Tensor], batch_size: int, limit: int = None) -> List[Dict[str, torch.Tensor]]:
     """Consecutive batches of `batch_size` blocks (the last may be smaller); at most `limit` batches."""
     if batch_size < 1:

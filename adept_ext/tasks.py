@@ -150,10 +150,6 @@ def load_tasks(spec: str, tokenizer, block_len: int, seed: int) -> List[Task]:
     return tasks
 
 
-def limit(blocks: Dict[str, torch.Tensor], n: int) -> Dict[str, torch.Tensor]:
-    return {k: v[:n] for k, v in blocks.items()}
-
-
 @torch.no_grad()
 def answer_scores(model, blocks: Dict[str, torch.Tensor], batch_size: int, device, eos_id=None) -> Dict[str, float]:
     """Exact-match accuracy of the greedy answer (the EOS target `eos_id` not required) and the

@@ -30,12 +30,14 @@ from .methods import Context, create, method_names
 from .methods.adept import explicit_layers
 from .methods.base import REGISTRY
 from .models import load_model
+from .placement import PLACEMENTS
 from .report import plot_loss_curves
 from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
 
 METHODS = tuple(method_names(single_domain=True))
 DIAGNOSIS_TASKS = ("bbc-topic", "context")
 LAYER_METHODS = tuple(name for name in METHODS if REGISTRY[name].takes_layers)  # methods that take k / --layers
+PLACEMENT_METHODS = ("adept", "adept_uniform_lr", "adept_no_expand")  # Stage 1 by --placement
 
 
 @dataclass
@@ -75,6 +77,7 @@ class RunConfig(TrainOptions):
     general: str = "bbc-news"         # general-domain corpus: file, folder, JSONL or built-in name
     domain: str = "python-docs"       # domain corpus (what the model is adapted to)
     layers: str = ""                  # explicit layers to expand / train, e.g. "7,14,21,29" (overrides k)
+    placement: str = "importance"     # adept*: where the k layers go (adept_ext.placement.PLACEMENTS)
     eval_every: int = 20              # held-out evaluation every N steps (0 = only at the end)
     boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
     diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
@@ -123,6 +126,10 @@ def config_from(overrides: Dict) -> RunConfig:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     if cfg.layers and cfg.method not in LAYER_METHODS:
         raise RunError(f"--layers applies to {', '.join(LAYER_METHODS)}, not {cfg.method}")
+    if cfg.placement not in PLACEMENTS:
+        raise RunError(f"placement must be one of {', '.join(PLACEMENTS)}, got {cfg.placement!r}")
+    if cfg.placement != "importance" and cfg.method not in PLACEMENT_METHODS:
+        raise RunError(f"--placement applies to {', '.join(PLACEMENT_METHODS)}, not {cfg.method}")
     try:
         explicit_layers(cfg)
     except ValueError as e:
@@ -198,13 +205,14 @@ class Corpora:
                 raise RunError(f"the {name} corpus is shorter than two blocks of {cfg.block_len} tokens")
         g_train, g_held = data.split_blocks(general, 0.1, cfg.seed)
         d_train, d_held = data.split_blocks(domain, 0.1, cfg.seed)
-        limit = lambda blocks, n: {k: v[:n] for k, v in blocks.items()}  # noqa: E731
+        limit = data.first_blocks
         self.tokenizer = tokenizer
         self.general_probe = data.batches(limit(g_train, cfg.probe_blocks), cfg.batch_size)
         self.general_context = data.batches(limit(g_train, cfg.diagnosis_queries), cfg.batch_size)  # diagnosis
         self.general_eval = data.batches(limit(g_held, cfg.eval_blocks), cfg.batch_size)
         self.domain_eval = data.batches(limit(d_held, cfg.eval_blocks), cfg.batch_size)
         self.domain_train = data.batches(d_train, cfg.batch_size)
+        self.domain_probe = data.batches(limit(d_train, cfg.probe_blocks), cfg.batch_size)  # placements
 
 
 def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:
@@ -346,7 +354,8 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
 
     t0 = time.time()
-    ctx = Context(corpora.general_probe, progress, diagnosis_batches=lambda: diagnosis_batches(cfg, corpora), log=log)
+    ctx = Context(corpora.general_probe, corpora.domain_probe, progress,
+                  diagnosis_batches=lambda: diagnosis_batches(cfg, corpora), log=log)
     try:
         setup = method.prepare(model, ctx, layers=checkpoint["layers"] if checkpoint else None)
     except ValueError as e:

@@ -113,6 +113,8 @@ def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys)
     (["run", "--method", "freeze_deep", "--boundary", "4"], "boundary 4 is not in [1, 3]"),
     (["run", "--method", "freeze_deep", "--boundary", "deep"], "boundary must be half, auto"),
     (["diagnose", "--diagnosis-task", "poetry"], "diagnosis_task must be one of"),
+    (["run", "--placement", "nearest"], "placement must be one of"),
+    (["run", "--method", "llama_pro", "--placement", "spread"], "--placement applies to"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(workspace, tmp_path, capsys, argv, message):
     argv = argv + ["--out", str(tmp_path / "o"), "--no-progress"]
@@ -264,3 +266,14 @@ def test_memory_estimate_counts_only_what_trains(workspace):
     _check_memory(cfg, model, trainable=sum(p.numel() for p in model.parameters()))
     with pytest.raises(RunError, match=r"optimizer [0-9.]+, activations .* train fewer parameters"):
         _check_memory(cfg, model, trainable=10**12)
+
+
+@pytest.mark.parametrize("name", ["domain_aware", "plasticity", "spread"])
+def test_run_with_a_placement_records_what_it_measured(workspace, name):
+    report = run(options(workspace, f"placement-{name}", placement=name, steps=1), progress=False, log=lambda *a: None)
+    saved = json.loads((workspace / f"placement-{name}" / "placement.json").read_text())
+    assert saved["placement"] == name and saved["layers"] == report["layers"] and len(report["layers"]) == 2
+    if name == "domain_aware":
+        assert len(saved["domain"]) == 4
+    if name == "plasticity":
+        assert len(saved["domain_gradient_energy"]) == 4 and min(saved["domain_gradient_energy"]) > 0

@@ -5,12 +5,14 @@ with per-unit learning rates lr_U = 2·(1 − Î_U)·lr from first-order Taylor 
 Î_U ∝ mean |θ·∇θ| on the general probe, recomputed every `recompute_every` steps (§1.3).
 A model that is already expanded (`config.adept`) keeps and trains its copies.
 """
+import json
 from typing import Dict, List, Optional
 
+from .. import placement
 from ..expand import expand_layers
+from ..lens import boundary_from, diagnose
 from ..lr import DecoupledLR, param_groups
 from ..models import adapter
-from ..probe import layer_importance
 from ..report import plot_unit_rates
 from ..units import UnitImportance
 from .base import Context, Method, Setup, register
@@ -42,7 +44,8 @@ class LayerMethod(Method):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.scores = None   # LayerScores of the Stage 1 probe, when one ran
+        self.scores = None     # LayerScores of the Stage 1 probe (general corpus), when one ran
+        self.placement = None  # what the placement criterion measured, when one ran
         self.chosen: List[int] = []
 
     def check(self, model):
@@ -54,9 +57,18 @@ class LayerMethod(Method):
             raise ValueError(f"--layers {bad} out of range for a model with {n} layers")
 
     def choose(self, model, ctx: Context) -> List[int]:
-        """Stage 1: the k layers whose bypass raises the general probe loss least."""
-        self.scores = layer_importance(model, ctx.general_probe, progress=ctx.progress)
-        return self.scores.select(self.cfg.k)
+        """Stage 1 by `cfg.placement` (see `adept_ext.placement`; default: ADEPT's importance,
+        the k layers whose bypass raises the general probe loss least)."""
+        name = getattr(self.cfg, "placement", "importance")
+        boundary = None
+        if name == "depth" and self.cfg.boundary.isdigit():
+            boundary = int(self.cfg.boundary)
+        elif name == "depth" and self.cfg.boundary == "auto":
+            boundary = boundary_from(diagnose(model, ctx.diagnosis_batches(), None, progress=ctx.progress))
+        result = placement.choose(name, model, self.cfg.k, ctx.general_probe, ctx.domain_probe, boundary, ctx.progress)
+        self.scores = result.pop("general")
+        self.placement = {"placement": name, "boundary": boundary, **result}
+        return result["layers"]
 
     def choose_layers(self, model, ctx: Context, layers: Optional[List[int]]) -> List[int]:
         """`layers` (a replayed choice), else --layers, else the method's own choice."""
@@ -69,6 +81,8 @@ class LayerMethod(Method):
         if self.scores is not None:
             self.scores.to_json(out / "layer_importance.json")
             self.scores.plot(out / "layer_importance.png", highlight=self.chosen)
+        if self.placement is not None:
+            (out / "placement.json").write_text(json.dumps(self.placement, indent=2))
 
 
 class DecoupledRates:

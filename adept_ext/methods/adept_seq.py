@@ -10,11 +10,11 @@ from typing import List
 from ..expand import expand_layers
 from ..lr import param_groups
 from ..models import adapter
+from ..placement import uniform
 from ..probe import layer_importance
 from ..units import UnitImportance
 from .adept import DecoupledRates, LayerMethod, describe_copies
 from .base import Setup, register, train_only
-from .llama_pro import uniform_layers
 
 
 def original_layers(model) -> List[int]:
@@ -73,4 +73,4 @@ class LlamaProSeq(ExpandPerTask):
     description = "LLaMA-Pro per task: k uniformly spaced copies of original layers, one learning rate"
 
     def pick(self, model, ctx, originals):
-        return sorted(originals[j] for j in uniform_layers(len(originals), self.cfg.k))
+        return sorted(originals[j] for j in uniform(len(originals), self.cfg.k))

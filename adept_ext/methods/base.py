@@ -63,6 +63,7 @@ class Context:
     """What a method may use to prepare a task, besides the model."""
 
     general_probe: Sequence[Dict[str, torch.Tensor]]   # general-domain probe batches (ADEPT's Stage 1 and 2)
+    domain_probe: Sequence[Dict[str, torch.Tensor]] = ()  # the domain's (task's) probe batches (placements)
     progress: bool = True
     task_index: int = 0                                  # 0-based position in the sequence (0 for `run`)
     diagnosis_batches: Optional[Callable[[], List[Dict[str, torch.Tensor]]]] = None  # LayerTracer inputs

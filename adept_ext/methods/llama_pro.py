@@ -4,13 +4,9 @@ one learning rate."""
 from typing import List
 
 from ..models import adapter
+from ..placement import uniform
 from .adept import ExpandMethod
 from .base import register
-
-
-def uniform_layers(num_layers: int, k: int) -> List[int]:
-    """LLaMA-Pro's placement: the last layer of each of k equal blocks of the depth."""
-    return [round((i + 1) * num_layers / k) - 1 for i in range(k)]
 
 
 @register
@@ -19,4 +15,4 @@ class LlamaPro(ExpandMethod):
     description = "LLaMA-Pro: k copies spaced uniformly through the depth, one learning rate"
 
     def choose(self, model, ctx) -> List[int]:
-        return uniform_layers(adapter(model).num_layers, self.cfg.k)
+        return uniform(adapter(model).num_layers, self.cfg.k)
