@@ -136,10 +136,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
         task_dir.mkdir(exist_ok=True)
         ctx = Context(general_probe, data.batches(data.first_blocks(blocks[t], cfg.probe_blocks), cfg.batch_size), progress,
                       task_index=t, log=log)
-        try:
-            setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
-        except ValueError as e:
-            raise RunError(f"task {task.name}: {e}") from e
+        setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
         method.write_artifacts(task_dir)
         n_trainable = sum(p.numel() for p in setup.trainable)
         _check_memory(cfg, model, bf16, n_trainable)

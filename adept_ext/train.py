@@ -104,10 +104,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError(f"block_len must be >= 2 (a block needs a next token to score), got {cfg.block_len}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
-    try:
-        create(cfg.method, cfg, sequence=sequence)
-    except ValueError as e:  # MethodError or a method's own option check
-        raise RunError(str(e)) from None
+    create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
     return cfg
 
 
@@ -130,10 +127,7 @@ def config_from(overrides: Dict) -> RunConfig:
         raise RunError(f"placement must be one of {', '.join(PLACEMENTS)}, got {cfg.placement!r}")
     if cfg.placement != "importance" and cfg.method not in PLACEMENT_METHODS:
         raise RunError(f"--placement applies to {', '.join(PLACEMENT_METHODS)}, not {cfg.method}")
-    try:
-        explicit_layers(cfg)
-    except ValueError as e:
-        raise RunError(str(e)) from None
+    explicit_layers(cfg)
     return cfg
 
 
@@ -356,10 +350,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     t0 = time.time()
     ctx = Context(corpora.general_probe, corpora.domain_probe, progress,
                   diagnosis_batches=lambda: diagnosis_batches(cfg, corpora), log=log)
-    try:
-        setup = method.prepare(model, ctx, layers=checkpoint["layers"] if checkpoint else None)
-    except ValueError as e:
-        raise RunError(str(e)) from e
+    setup = method.prepare(model, ctx, layers=checkpoint["layers"] if checkpoint else None)
     total_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in setup.trainable)
     _check_memory(cfg, model, bf16, n_trainable)

@@ -15,7 +15,7 @@ from ..lr import DecoupledLR, param_groups
 from ..models import adapter
 from ..report import plot_unit_rates
 from ..units import UnitImportance
-from .base import Context, Method, Setup, register
+from .base import Context, Method, MethodError, Setup, register
 
 
 def explicit_layers(cfg) -> Optional[List[int]]:
@@ -25,7 +25,7 @@ def explicit_layers(cfg) -> Optional[List[int]]:
     try:
         return sorted({int(x) for x in cfg.layers.split(",")})
     except ValueError:
-        raise ValueError(f"--layers must be comma-separated layer indices, got {cfg.layers!r}") from None
+        raise MethodError(f"--layers must be comma-separated layer indices, got {cfg.layers!r}") from None
 
 
 def copy_positions(sources: List[int]) -> List[int]:
@@ -51,10 +51,10 @@ class LayerMethod(Method):
     def check(self, model):
         n = adapter(model).num_layers
         if not 0 < self.cfg.k <= n:
-            raise ValueError(f"k = {self.cfg.k} is not in [1, {n}] for a model with {n} layers")
+            raise MethodError(f"k = {self.cfg.k} is not in [1, {n}] for a model with {n} layers")
         bad = [l for l in explicit_layers(self.cfg) or [] if not 0 <= l < n]
         if bad:
-            raise ValueError(f"--layers {bad} out of range for a model with {n} layers")
+            raise MethodError(f"--layers {bad} out of range for a model with {n} layers")
 
     def choose(self, model, ctx: Context) -> List[int]:
         """Stage 1 by `cfg.placement` (see `adept_ext.placement`; default: ADEPT's importance,
@@ -65,7 +65,11 @@ class LayerMethod(Method):
             boundary = int(self.cfg.boundary)
         elif name == "depth" and self.cfg.boundary == "auto":
             boundary = boundary_from(diagnose(model, ctx.diagnosis_batches(), None, progress=ctx.progress))
-        result = placement.choose(name, model, self.cfg.k, ctx.general_probe, ctx.domain_probe, boundary, ctx.progress)
+        try:
+            result = placement.choose(name, model, self.cfg.k, ctx.general_probe, ctx.domain_probe, boundary,
+                                      ctx.progress)
+        except ValueError as e:
+            raise MethodError(f"--placement {name}: {e}") from e
         self.scores = result.pop("general")
         self.placement = {"placement": name, "boundary": boundary, **result}
         return result["layers"]

@@ -14,7 +14,7 @@ from ..placement import uniform
 from ..probe import layer_importance
 from ..units import UnitImportance
 from .adept import DecoupledRates, LayerMethod, describe_copies
-from .base import Setup, register, train_only
+from .base import MethodError, Setup, register, train_only
 
 
 def original_layers(model) -> List[int]:
@@ -35,7 +35,7 @@ class ExpandPerTask(LayerMethod):
     def prepare(self, model, ctx, layers=None) -> Setup:
         originals = original_layers(model)
         if not 0 < self.cfg.k <= len(originals):
-            raise ValueError(f"k = {self.cfg.k} is not in [1, {len(originals)}] original layers")
+            raise MethodError(f"k = {self.cfg.k} is not in [1, {len(originals)}] original layers")
         self.chosen = list(layers) if layers is not None else self.pick(model, ctx, originals)
         before = set(id(layer) for layer in adapter(model).layers)
         expand_layers(model, self.chosen)

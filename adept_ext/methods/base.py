@@ -21,11 +21,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..rundir import RunError
+
 REGISTRY: Dict[str, type] = {}
 
 
-class MethodError(ValueError):
-    """A method was asked for something it cannot do (an unknown name, a sequence it does not support)."""
+class MethodError(RunError, ValueError):
+    """An input a method cannot work with (an unknown name, a sequence it does not learn, an option
+    or a k that does not fit the model): one `adept-ext: error:` line in the CLI, and a ValueError
+    for code that calls the methods directly. Any other exception inside a method is a bug and
+    keeps its traceback."""
 
 
 def register(cls):
@@ -104,7 +109,7 @@ class Method:
         self.cfg = cfg
 
     def check(self, model):
-        """Options that depend on the model; raise ValueError before anything is changed."""
+        """Options that depend on the model; raise MethodError before anything is changed."""
 
     def prepare(self, model, ctx: Context, layers: Optional[List[int]] = None) -> Setup:
         raise NotImplementedError

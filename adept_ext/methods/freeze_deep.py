@@ -3,7 +3,7 @@ freeze the deep ones, with b = half the depth, a number, or `auto` — from a La
 of the model (task particle and context sensitivity, see `lens.allocate`)."""
 from ..lens import allocate, diagnose
 from ..models import adapter
-from .base import Method, Setup, register, train_only
+from .base import Method, MethodError, Setup, register, train_only
 
 
 @register
@@ -18,7 +18,7 @@ class FreezeDeep(Method):
     def check(self, model):
         n = adapter(model).num_layers
         if self.cfg.boundary.isdigit() and not 1 <= int(self.cfg.boundary) <= n - 1:
-            raise ValueError(f"boundary {self.cfg.boundary} is not in [1, {n - 1}] for a model with {n} layers")
+            raise MethodError(f"boundary {self.cfg.boundary} is not in [1, {n - 1}] for a model with {n} layers")
 
     def prepare(self, model, ctx, layers=None) -> Setup:
         ad = adapter(model)
@@ -26,7 +26,7 @@ class FreezeDeep(Method):
             try:
                 self.diagnosis = diagnose(model, ctx.diagnosis_batches(), None, progress=ctx.progress)
             except (FileNotFoundError, ValueError) as e:
-                raise ValueError(f"diagnosis: {e}") from e
+                raise MethodError(f"diagnosis: {e}") from e
         boundary = int(self.cfg.boundary) if self.cfg.boundary.isdigit() else None
         layers = allocate(ad.num_layers, "freeze_deep", self.diagnosis, boundary)
         trainable = train_only(model, (p for l in layers for p in ad.layers[l].parameters()))

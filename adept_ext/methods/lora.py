@@ -4,7 +4,7 @@ the saved model is a plain Hugging Face checkpoint. `seq_lora`: a fresh adapter 
 merged after it (SPEC §5)."""
 from typing import Dict
 
-from .base import Method, Setup, register
+from .base import Method, MethodError, Setup, register
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -24,7 +24,7 @@ class Lora(Method):
     def __init__(self, cfg):
         super().__init__(cfg)
         if cfg.lora_rank < 1:
-            raise ValueError(f"lora_rank must be >= 1, got {cfg.lora_rank}")
+            raise MethodError(f"lora_rank must be >= 1, got {cfg.lora_rank}")
         self.peft_model = None
 
     def prepare(self, model, ctx, layers=None) -> Setup:

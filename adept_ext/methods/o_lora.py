@@ -9,7 +9,7 @@ from typing import Dict
 
 import torch
 
-from .base import register
+from .base import MethodError, register
 from .lora import SeqLora, lora_adapters
 
 
@@ -21,7 +21,7 @@ class OLora(SeqLora):
     def __init__(self, cfg):
         super().__init__(cfg)
         if not cfg.o_lora_lambda >= 0:
-            raise ValueError(f"o_lora_lambda must be >= 0, got {cfg.o_lora_lambda}")
+            raise MethodError(f"o_lora_lambda must be >= 0, got {cfg.o_lora_lambda}")
         self.previous: Dict[str, torch.Tensor] = {}  # module name -> earlier A's stacked [Σ r_i, d_in]
 
     def loss(self, model, batch) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from .base import Method, create, register
+from .base import Method, MethodError, create, register
 
 BASES = ("full", "lora")
 
@@ -23,9 +23,9 @@ class Replay(Method):
     def __init__(self, cfg):
         super().__init__(cfg)
         if not 0 < cfg.replay_fraction <= 1:
-            raise ValueError(f"replay_fraction must be in (0, 1], got {cfg.replay_fraction}")
+            raise MethodError(f"replay_fraction must be in (0, 1], got {cfg.replay_fraction}")
         if cfg.replay_base not in BASES:
-            raise ValueError(f"replay_base must be one of {', '.join(BASES)}, got {cfg.replay_base!r}")
+            raise MethodError(f"replay_base must be one of {', '.join(BASES)}, got {cfg.replay_base!r}")
         self.base = create(f"seq_{cfg.replay_base}", cfg, sequence=True)
 
     def prepare(self, model, ctx, layers=None):
