@@ -96,8 +96,8 @@ def plot_loss_curves(history: Dict, base: Dict, path, title: str = "loss"):
     losses = [h["loss"] for h in history["train"]]
     window = max(2, min(50, len(losses) // 6))
     train_ax.plot(steps, losses, lw=0.8, color="tab:blue", alpha=0.4, label="per step (one batch)")
-    if len(losses) > window:
-        train_ax.plot(steps, moving_average(losses, window), lw=2, color="tab:blue",
+    if len(losses) > window:  # from the first full window on: shorter means at the start are noise
+        train_ax.plot(steps[window - 1:], moving_average(losses, window)[window - 1:], lw=2, color="tab:blue",
                       label=f"moving average ({window} steps)")
     train_ax.legend(fontsize=8)
     train_ax.set_xlabel("step")
