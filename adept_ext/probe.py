@@ -26,7 +26,8 @@ METHODS = ("bypass", "block_influence", "taylor")
 
 @dataclass
 class LayerScores:
-    """Per-layer scores; for `bypass` the raw Δloss (higher = more critical to general ability)."""
+    """Per-layer scores; for `bypass` the raw Δloss (higher = more critical to general ability).
+    `selected`: the layers chosen from these scores (e.g. for expansion), when recorded."""
 
     method: str
     scores: List[float]
@@ -34,6 +35,7 @@ class LayerScores:
     base_loss: Optional[float] = None
     variant_losses: Optional[List[float]] = None
     extra: Dict = field(default_factory=dict)
+    selected: Optional[List[int]] = None
 
     def select(self, k: int) -> List[int]:
         """The k least important layers (lowest scores; ties by index), ascending."""
@@ -41,14 +43,27 @@ class LayerScores:
             raise ValueError(f"k must be an int in [0, {len(self.scores)}], got {k!r}")
         return sorted(sorted(range(len(self.scores)), key=lambda i: (self.scores[i], i))[:k])
 
-    def to_json(self, path=None) -> str:
+    def to_json(self, path=None, selected: Optional[Iterable[int]] = None) -> str:
+        """The scores as JSON (also written to `path` when given); `selected` (e.g. `select(k)`)
+        is recorded as "selected" (the scores keep it)."""
+        if selected is not None:
+            self.selected = self._checked_layers(selected)
         return dataclass_json(self, path)
 
-    def plot(self, path, title: Optional[str] = None, highlight: Iterable[int] = ()):
-        """Bar chart of the scores as a PNG; `highlight` (e.g. the selected layers) in orange."""
+    def plot(self, path, title: Optional[str] = None, highlight: Optional[Iterable[int]] = None,
+             label: str = "selected"):
+        """Bar chart of the scores as a PNG; `highlight` (default: `selected`) in orange, named
+        `label` in the legend."""
         ylabel = "Δ loss when bypassed" if self.method == "bypass" else f"{self.method} score"
+        chosen = self._checked_layers(highlight if highlight is not None else self.selected or [])
         plot_layer_scores(self.scores, path, ylabel, title or f"layer importance ({self.method}, {self.tokens} tokens)",
-                          highlight)
+                          chosen, label)
+
+    def _checked_layers(self, layers: Iterable[int]) -> List[int]:
+        layers = sorted({int(l) for l in layers})
+        if layers and not 0 <= layers[0] <= layers[-1] < len(self.scores):
+            raise ValueError(f"selected layers {layers} are not all in [0, {len(self.scores) - 1}]")
+        return layers
 
 
 def _shifted_targets(batch) -> torch.Tensor:
@@ -93,8 +108,15 @@ def device_batch(batch, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def _variant_group(batch, max_tokens_per_call: int) -> int:
+    """How many variant streams of `batch` go through one layer call (or one loss call) together."""
+    b, t = batch["input_ids"].shape
+    return max(1, max_tokens_per_call // (b * t))
+
+
 @torch.no_grad()
-def prefix_shared_variants(ad, batch, start: Callable, max_tokens_per_call: int = 4096):
+def prefix_shared_variants(ad, batch, start: Callable, max_tokens_per_call: int = 4096,
+                           on_layer: Optional[Callable[[int], None]] = None):
     """Run the model once on `batch` together with one variant stream per decoder layer, where
     variant d equals the base run up to layer d's input h_d, leaves layer d as
     `start(layer, h_d, args, kwargs)` instead of layer(h_d, ...), and then goes through the
@@ -104,12 +126,13 @@ def prefix_shared_variants(ad, batch, start: Callable, max_tokens_per_call: int 
     The variants share the base run's prefix, so they take L(L+1)/2 layer calls instead of L².
     When the base run reaches layer d (a forward pre-hook, which also gives that layer's exact
     mask and rotary arguments), variants 0..d-1 go through layer d together, in groups of at
-    most `max_tokens_per_call` tokens (at least one batch), and variant d starts.
+    most `max_tokens_per_call` tokens (at least one batch), and variant d starts; then
+    `on_layer(d)` is called (e.g. to tick a progress bar once per depth).
     """
     layers = ad.layers
     n_layers = len(layers)
     b, t = batch["input_ids"].shape
-    group = max(1, max_tokens_per_call // (b * t))
+    group = _variant_group(batch, max_tokens_per_call)
     buf = None
     inside = False
 
@@ -130,6 +153,8 @@ def prefix_shared_variants(ad, batch, start: Callable, max_tokens_per_call: int 
             buf[d] = start(layer, hidden, rest_args, rest)
         finally:
             inside = False
+        if on_layer is not None:
+            on_layer(d)
         return None
 
     handles = [layer.register_forward_pre_hook(partial(advance_variants, d), with_kwargs=True)
@@ -143,13 +168,22 @@ def prefix_shared_variants(ad, batch, start: Callable, max_tokens_per_call: int 
     return base_out, buf
 
 
+def _ticks_per_batch(method: str, n_layers: int, batch, max_tokens_per_call: int) -> int:
+    """Progress ticks of one probe batch: one per layer, plus one per group of bypass variants scored."""
+    if method != "bypass":
+        return n_layers
+    return n_layers + -(-n_layers // _variant_group(batch, max_tokens_per_call))
+
+
 @torch.no_grad()
-def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call):
+def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call, tick):
     """Loss sums of the base model and of each bypass variant ("bypass d": h_{d+1} = h_d) on one
-    batch: float64 [L+1]."""
+    batch: float64 [L+1]. `tick(n)` is called once per layer depth and once per group of
+    variants whose loss is computed (`_ticks_per_batch`)."""
     b, t = batch["input_ids"].shape
-    group = max(1, max_tokens_per_call // (b * t))
-    base_out, buf = prefix_shared_variants(ad, batch, lambda layer, hidden, args, kwargs: hidden, max_tokens_per_call)
+    group = _variant_group(batch, max_tokens_per_call)
+    base_out, buf = prefix_shared_variants(ad, batch, lambda layer, hidden, args, kwargs: hidden, max_tokens_per_call,
+                                           on_layer=lambda d: tick(1))
     n_layers = buf.shape[0]
     h = base_out.shape[-1]
 
@@ -165,15 +199,20 @@ def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call):
     sums = [loss_sums(base_out[None])]
     for g0 in range(0, n_layers, group):
         sums.append(loss_sums(ad.final_norm(buf[g0:g0 + group])))
+        tick(1)
     return torch.cat(sums), valid.numel()
 
 
 @torch.no_grad()
-def _block_influence_sums(ad, batch, chunk_rows, max_tokens_per_call):
-    """Σ over scored tokens of 1 − cos(h_l, h_{l+1}) per layer: float64 [L]."""
+def _block_influence_sums(ad, batch, chunk_rows, max_tokens_per_call, tick):
+    """Σ over scored tokens of 1 − cos(h_l, h_{l+1}) per layer: float64 [L]; `tick(1)` per layer."""
     outputs = []
-    handles = [layer.register_forward_hook(lambda m, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
-               for layer in ad.layers]
+
+    def record(module, args, out):
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+        tick(1)
+
+    handles = [layer.register_forward_hook(record) for layer in ad.layers]
     try:
         with _capture_layer_inputs(ad.layers) as calls:
             ad.decoder(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
@@ -186,13 +225,15 @@ def _block_influence_sums(ad, batch, chunk_rows, max_tokens_per_call):
     return torch.stack(sums), int(scored.sum())
 
 
-def _taylor_sums(ad, batch, chunk_rows, max_tokens_per_call):
-    """First-order bypass effect per layer, Σ over scored tokens of −⟨f_l(h_l), ∂ℓ/∂h_{l+1}⟩: float64 [L]."""
+def _taylor_sums(ad, batch, chunk_rows, max_tokens_per_call, tick):
+    """First-order bypass effect per layer, Σ over scored tokens of −⟨f_l(h_l), ∂ℓ/∂h_{l+1}⟩: float64 [L];
+    `tick(1)` per layer of the forward pass."""
     ins, outs = [], []
 
     def record(module, args, kwargs, out):
         ins.append(args[0] if args else kwargs["hidden_states"])
         outs.append(out[0] if isinstance(out, tuple) else out)
+        tick(1)
 
     handles = [layer.register_forward_hook(record, with_kwargs=True) for layer in ad.layers]
     try:
@@ -244,12 +285,18 @@ def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: 
     n_out = ad.num_layers + 1 if method == "bypass" else ad.num_layers
     sums = torch.zeros(n_out, dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.float64, device=device)
+    # One tick per layer depth (and, for bypass, per group of variants scored), not per batch:
+    # a batch of the default probe takes tens of seconds on a CPU.
+    total = sum(_ticks_per_batch(method, ad.num_layers, batch, max_tokens_per_call) for batch in batches)
+    bar = tqdm(total=total, desc=f"probing layers ({method}, {len(batches)} batches x {ad.num_layers} layers)",
+               disable=not progress)
     try:
-        for batch in tqdm(batches, desc=f"probing layers ({method})", disable=not progress):
-            s, n = per_batch(ad, device_batch(batch, device), chunk_rows, max_tokens_per_call)
+        for batch in batches:
+            s, n = per_batch(ad, device_batch(batch, device), chunk_rows, max_tokens_per_call, bar.update)
             sums += s
             tokens += n
     finally:
+        bar.close()
         model.train(was_training)
     if distributed:
         packed = torch.cat([sums, tokens.view(1)])

@@ -22,18 +22,44 @@ def _pyplot():
     return plt
 
 
-def plot_layer_scores(scores: List[float], path, ylabel: str, title: str, highlight: Iterable[int] = ()):
-    """Bar chart of one score per layer; `highlight`ed layers (e.g. the selected ones) in orange."""
+def _save(fig, path):
+    """Write a figure as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+
+
+def moving_average(values: List[float], window: int) -> List[float]:
+    """Trailing mean of the last `window` values at every position (fewer at the start)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_layer_scores(scores: List[float], path, ylabel: str, title: str, highlight: Iterable[int] = (),
+                      label: str = "selected"):
+    """Bar chart of one score per layer; the `highlight`ed layers (e.g. the selected ones) in
+    orange, named in a legend as `label`."""
     plt = _pyplot()
-    chosen = set(highlight)
+    chosen = sorted(set(highlight))
     fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(scores) + 2), 3.5))
-    ax.bar(range(len(scores)), scores, color=["tab:orange" if i in chosen else "tab:blue" for i in range(len(scores))])
+    bars = ax.bar(range(len(scores)), scores,
+                  color=["tab:orange" if i in chosen else "tab:blue" for i in range(len(scores))])
+    if chosen:
+        other = next((bars[i] for i in range(len(scores)) if i not in chosen), None)
+        handles = [bars[chosen[0]]] + ([other] if other is not None else [])
+        names = [f"{label}: layer{'s' if len(chosen) > 1 else ''} {', '.join(map(str, chosen))}"]
+        ax.legend(handles, names + (["other layers"] if other is not None else []), fontsize=8)
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_unit_rates(units, values: List[float], path, title: str = "per-unit learning-rate multiplier",
@@ -58,16 +84,22 @@ def plot_unit_rates(units, values: List[float], path, title: str = "per-unit lea
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < (max(values) + min(values)) / 2 else "black", fontsize=8)
     fig.colorbar(im, ax=ax, label=label or "multiplier of lr")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_loss_curves(history: Dict, base: Dict, path, title: str = "loss"):
-    """Training loss per step and held-out general/domain loss at each evaluation (base as step 0)."""
+    """Training loss per step (raw, and its moving average: a single batch's loss varies more
+    than the trend) and held-out general/domain loss at each evaluation (base as step 0)."""
     plt = _pyplot()
     fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
-    train_ax.plot([h["step"] for h in history["train"]], [h["loss"] for h in history["train"]], lw=1)
+    steps = [h["step"] for h in history["train"]]
+    losses = [h["loss"] for h in history["train"]]
+    window = max(2, min(50, len(losses) // 6))
+    train_ax.plot(steps, losses, lw=0.8, color="tab:blue", alpha=0.4, label="per step (one batch)")
+    if len(losses) > window:  # from the first full window on: shorter means at the start are noise
+        train_ax.plot(steps[window - 1:], moving_average(losses, window)[window - 1:], lw=2, color="tab:blue",
+                      label=f"moving average ({window} steps)")
+    train_ax.legend(fontsize=8)
     train_ax.set_xlabel("step")
     train_ax.set_ylabel("training loss (domain)")
     steps = [0] + [e["step"] for e in history["eval"]]
@@ -77,9 +109,7 @@ def plot_loss_curves(history: Dict, base: Dict, path, title: str = "loss"):
     eval_ax.set_ylabel("held-out loss")
     eval_ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_diagnosis(path, p_task: List[float], task_particle: int, js: List[float], delta_js: List[Optional[float]],
@@ -111,9 +141,7 @@ def plot_diagnosis(path, p_task: List[float], task_particle: int, js: List[float
             ax.axvline(boundary - 0.5, color="black", ls="--", lw=1)
     axes[-1].set_xlabel("decoder layer" + (" (dashed: freeze_deep boundary)" if boundary is not None else ""))
     axes[0].set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_matrix(matrix: List[List[float]], row_labels: List[str], column_labels: List[str], path, title: str):
@@ -132,9 +160,7 @@ def plot_matrix(matrix: List[List[float]], row_labels: List[str], column_labels:
     ax.set_xlabel("task scored (colour: scaled within the column; yellow = best)")
     ax.set_ylabel("model after")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_series(labels: List[str], values: List[float], path, ylabel: str, title: str):
@@ -146,6 +172,4 @@ def plot_series(labels: List[str], values: List[float], path, ylabel: str, title
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)

@@ -192,3 +192,14 @@ def test_context_query_task():
     assert b["score_mask"][1].nonzero().flatten().tolist() == [4, 5]
     with pytest.raises(ValueError, match="longer than the context"):
         context_query_task([blocks], context_len=10)
+
+
+def test_sensitivity_progress_ticks_per_layer(record_progress):
+    import adept_ext.lens as lens_module
+
+    model = tiny_model("llama", layers=5)
+    bars = record_progress(lens_module, model)
+    layer_sensitivity(model, composite_batches(), max_tokens_per_call=36)
+    (bar,) = bars
+    assert bar.n == bar.total == 2 * 5 * 2  # two batches: each layer's masked variant, then its JS
+    assert len(set(bar.ticks)) >= 2 * 5  # the bar moves during a batch's forward, not only after it

@@ -1,6 +1,9 @@
+import json
+
 import pytest
 import torch
 
+from adept_ext import models
 from adept_ext.models import SUPPORTED_ARCHITECTURES, adapter, load_model
 from tiny_models import ARCHS, tiny_model
 
@@ -10,10 +13,32 @@ def test_embedded_default_loads_offline():
     ad = adapter(model)
     assert model.config.model_type == "llama" and ad.num_layers == 30 and ad.lm_head.weight.shape[0] == 49152
     assert getattr(model.config, "quantization_config", None) is None
+    assert model.config._model_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"  # not the GGUF's internal name
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss
     assert torch.isfinite(loss) and loss < 8  # a trained model, not random weights (ln 49152 ≈ 10.8)
+
+
+def test_embedded_conversion_names_the_model_and_shows_no_save_bar(tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    tokenizer = AutoTokenizer.from_pretrained(models.resolve_checkpoint("smollm2-135m"))
+    tiny = tiny_model("llama")  # stands in for the dequantised GGUF model
+    tiny.config._model_name_or_path = "Smollm2 135M 8k Lc100K Mix1 Ep2"  # what the GGUF metadata calls it
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: tokenizer)
+    monkeypatch.setenv("ADEPT_EXT_CACHE", str(tmp_path / "cache"))
+    path = models.resolve_checkpoint("smollm2-135m")
+    assert path == tmp_path / "cache" / "smollm2-135m"
+    config = json.loads((path / "config.json").read_text())
+    assert config["_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    err = capsys.readouterr().err
+    assert "converting the embedded model smollm2-135m" in err and "Writing model shards" not in err
+    assert hf_logging.is_progress_bar_enabled()
+    tiny.save_pretrained(tmp_path / "plain")  # a user's own save still shows its bar (and capsys sees it)
+    assert "Writing model shards" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from adept_ext import reference
-from adept_ext.probe import layer_importance
+from adept_ext import probe, reference, report
+from adept_ext.probe import METHODS, LayerScores, layer_importance
 from tiny_models import ARCHS, padded_batches, tiny_model
 
 
@@ -98,3 +98,30 @@ def test_errors():
         layer_importance(model, padded_batches(), method="magic", progress=False)
     with pytest.raises(ValueError, match="unsupported architecture"):
         layer_importance(torch.nn.Linear(2, 2), padded_batches(), progress=False)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_progress_ticks_per_layer_not_per_batch(method, record_progress):
+    model = tiny_model("llama", layers=5)
+    bars = record_progress(probe, model)
+    layer_importance(model, padded_batches(n_batches=2), method=method, max_tokens_per_call=36)
+    (bar,) = bars
+    assert bar.n == bar.total >= 2 * 5
+    # the bar moves while a batch is being probed: a tick after (nearly) every layer call of the base run
+    assert len(set(bar.ticks)) >= 2 * 5 - 1
+
+
+def test_selected_layers_in_json_and_plot_legend(tmp_path, monkeypatch):
+    scores = layer_importance(tiny_model("llama", layers=4), padded_batches(), progress=False)
+    chosen = scores.select(2)
+    data = json.loads(scores.to_json(tmp_path / "s.json", selected=chosen))
+    assert data["selected"] == chosen and json.loads((tmp_path / "s.json").read_text())["selected"] == chosen
+    assert LayerScores(**data).selected == chosen  # the JSON loads back
+    with pytest.raises(ValueError, match="selected layers"):
+        scores.to_json(selected=[4])
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig))
+    scores.plot(tmp_path / "s.png")  # highlights `selected` by default
+    (legend,) = [ax.get_legend() for ax in figures[0].axes]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == [f"selected: layers {chosen[0]}, {chosen[1]}", "other layers"]
