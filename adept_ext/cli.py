@@ -181,8 +181,8 @@ def _probe_or_expand(cfg, command, progress):
     probe = batches({k: v[:cfg.probe_blocks] for k, v in train.items()}, cfg.batch_size)
     scores = layer_importance(model, probe, progress=progress)
     chosen = scores.select(min(cfg.k, len(scores.scores)))
-    scores.to_json(out / "layer_importance.json")
-    scores.plot(out / "layer_importance.png", highlight=chosen)
+    scores.to_json(out / "layer_importance.json", selected=chosen)
+    scores.plot(out / "layer_importance.png", label=f"the {len(chosen)} least important")
     print(f"layer importance (Δloss when bypassed) on {scores.tokens} tokens; least important: {chosen}; "
           f"written to {out / 'layer_importance.json'} and .png")
     if command == "expand":

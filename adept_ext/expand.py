@@ -100,7 +100,11 @@ def expand_layers(model, layers: Sequence[int]) -> List[torch.nn.Parameter]:
     if getattr(config, "max_window_layers", None) is not None:
         config.max_window_layers = sum(1 for i in range(min(config.max_window_layers, n))
                                        for _ in range(2 if i in chosen else 1))
-    config.adept = {"expanded_layers": [expanded[j] for j in order], "source_layers": [sources[j] for j in order]}
+    expanded, sources = [expanded[j] for j in order], [sources[j] for j in order]
+    config.adept = {"expanded_layers": expanded, "source_layers": sources,
+                    "source_layers_before_expansion": [s - sum(c < s for c in expanded) for s in sources],
+                    "numbering": "expanded_layers and source_layers index this (expanded) model; "
+                                 "source_layers_before_expansion index the model before any layer was copied"}
 
     for p in model.parameters():
         p.requires_grad_(False)

@@ -64,9 +64,12 @@ def plot_layer_scores(scores: List[float], path, ylabel: str, title: str, highli
 
 def plot_unit_rates(units, values: List[float], path, title: str = "per-unit learning-rate multiplier",
                     label: Optional[str] = None):
-    """Heatmap of one value per unit: rows = expanded layers (with their source), columns = tensors."""
+    """Heatmap of one value per unit: rows = the copies, named by the layer they copy in the
+    numbering of the model before expansion (as the run's log and report name them) and by their
+    own index in the expanded model; columns = tensors."""
     plt = _pyplot()
     layers = sorted({(u.layer, u.source_layer) for u in units})
+    copies = [layer for layer, _ in layers]
     columns: Dict[str, int] = {}
     for u in units:
         columns.setdefault(u.name.split(f".{u.layer}.", 1)[1].removesuffix(".weight"), len(columns))
@@ -77,7 +80,8 @@ def plot_unit_rates(units, values: List[float], path, title: str = "per-unit lea
     fig, ax = plt.subplots(figsize=(1.0 * len(columns) + 2.5, 0.5 * len(layers) + 2))
     im = ax.imshow(grid, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(columns)), list(columns), rotation=45, ha="right")
-    ax.set_yticks(range(len(layers)), [f"copy {l} (of {s})" for l, s in layers])
+    ax.set_yticks(range(len(layers)), [f"copy of layer {s - sum(c < s for c in copies)} (layer {l} expanded)"
+                                       for l, s in layers])
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
             if v == v:

@@ -406,7 +406,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
 
     report.update({
-        "method": cfg.method, "layers": setup.layers, "base": base, "final": final,
+        "method": cfg.method, "layers": setup.layers, "summary": setup.summary, "base": base, "final": final,
         "forgetting_general_delta": final["general_loss"] - base["general_loss"],
         "gain_domain_delta": base["domain_loss"] - final["domain_loss"],
         "perplexity": {"base_general": math.exp(base["general_loss"]), "final_general": math.exp(final["general_loss"]),
@@ -426,15 +426,16 @@ def markdown_report(report: Dict) -> str:
     cfg, base, final = report["config"], report["base"], report["final"]
     lines = [f"# adept_ext run: {report['method']}", "",
              f"Model `{cfg['model']}`, general corpus `{cfg['general']}`, domain corpus `{cfg['domain']}`; "
-             f"{cfg['steps']} steps x {cfg['grad_accum']} x {cfg['batch_size']} x {cfg['block_len']} tokens, lr {cfg['lr']}, "
+             f"{cfg['steps']} steps of {cfg['grad_accum']} micro-batch(es) x {cfg['batch_size']} blocks x "
+             f"{cfg['block_len']} tokens, lr {cfg['lr']}, "
              f"seed {cfg['seed']}, device {report['machine']['device']}.", "",
              "| | general loss | general ppl | domain loss | domain ppl |", "|---|---|---|---|---|",
              f"| base | {base['general_loss']:.4f} | {math.exp(base['general_loss']):.2f} | {base['domain_loss']:.4f} | {math.exp(base['domain_loss']):.2f} |",
              f"| final | {final['general_loss']:.4f} | {math.exp(final['general_loss']):.2f} | {final['domain_loss']:.4f} | {math.exp(final['domain_loss']):.2f} |",
              "", f"Forgetting (general Δloss): {report['forgetting_general_delta']:+.4f}; "
              f"gain (domain −Δloss): {report['gain_domain_delta']:+.4f}.", "",
-             f"Trainable parameters: {report['trainable_parameters'] / 1e6:.2f}M ({report['trainable_fraction']:.1%}); "
-             f"layers: {report['layers']}.", "", "| stage | seconds | peak memory MB |", "|---|---|---|"]
+             f"Trainable parameters: {report['trainable_parameters'] / 1e6:.2f}M ({report['trainable_fraction']:.1%}): "
+             f"{report['summary']}. Layer numbers are those of the model before expansion unless said otherwise.", "", "| stage | seconds | peak memory MB |", "|---|---|---|"]
     lines += [f"| {name} | {s['seconds']} | {s['peak_memory_mb']} |" for name, s in report["stages"].items()]
     if "unit_rates" in report:
         lines += ["", f"Per-unit learning-rate multipliers (mean {report['unit_rates']['mean_multiplier']:.3f}, "

@@ -20,7 +20,9 @@ def test_expansion_preserves_function_and_bookkeeping(arch, tmp_path):
     types_before = list(getattr(model.config, "layer_types", []) or [])
     trainable = expand_layers(model, [0, 2])
     assert model.config.num_hidden_layers == 6 and len(model.model.layers) == 6
-    assert model.config.adept == {"expanded_layers": [1, 4], "source_layers": [0, 3]}
+    adept = model.config.adept
+    assert adept["expanded_layers"] == [1, 4] and adept["source_layers"] == [0, 3]
+    assert adept["source_layers_before_expansion"] == [0, 2]
     assert [l.self_attn.layer_idx for l in model.model.layers] == list(range(6))
     if types_before:
         assert model.config.layer_types == [types_before[0]] * 2 + [types_before[1]] + [types_before[2]] * 2 + [types_before[3]]
@@ -59,7 +61,9 @@ def test_expanding_twice_keeps_bookkeeping():
     before = logits(model, batch)
     expand_layers(model, [1])           # copy at 2 of source 1
     trainable = expand_layers(model, [0, 3])  # indices of the expanded model: copy of 0 at 1, of 3 at 5
-    assert model.config.adept == {"expanded_layers": [1, 3, 5], "source_layers": [0, 2, 4]}
+    adept = model.config.adept
+    assert adept["expanded_layers"] == [1, 3, 5] and adept["source_layers"] == [0, 2, 4]
+    assert adept["source_layers_before_expansion"] == [0, 1, 2]  # copies of the original layers 0, 1 and 2
     assert len(trainable) == 3 * len(list(model.model.layers[0].parameters()))
     assert (logits(model, batch) - before).abs().max() <= 1e-6
 

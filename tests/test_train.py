@@ -50,6 +50,10 @@ def test_every_method_runs_and_saves_a_plain_hf_model(workspace, method):
     if method == "adept":
         assert (out / "unit_rates.png").exists() and (out / "layer_importance.png").exists()
         assert model.config.adept["expanded_layers"] == [l + 1 + i for i, l in enumerate(report["layers"])]
+        # one numbering everywhere a person reads layer numbers: the model's before expansion
+        assert model.config.adept["source_layers_before_expansion"] == report["layers"]
+        assert json.loads((out / "layer_importance.json").read_text())["selected"] == report["layers"]
+        assert f"copies of layers {report['layers']}" in (out / "report.md").read_text()
     if method == "lora":
         assert not any("lora" in n for n, _ in model.named_parameters())
 

@@ -41,6 +41,7 @@ class LayerMethod(Method):
     """A method that expands or trains k layers: ADEPT's probe choice, or the layers of --layers."""
 
     takes_layers = True
+    selected_label = "copied (their copies train)"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -83,8 +84,8 @@ class LayerMethod(Method):
 
     def write_artifacts(self, out):
         if self.scores is not None:
-            self.scores.to_json(out / "layer_importance.json")
-            self.scores.plot(out / "layer_importance.png", highlight=self.chosen)
+            self.scores.to_json(out / "layer_importance.json", selected=self.chosen)
+            self.scores.plot(out / "layer_importance.png", label=self.selected_label)
         if self.placement is not None:
             (out / "placement.json").write_text(json.dumps(self.placement, indent=2))
 

@@ -12,6 +12,7 @@ from .base import Setup, register, train_only
 class AdeptNoExpand(DecoupledRates, LayerMethod):
     name = "adept_no_expand"
     description = "ADEPT's per-unit rates on the k least important layers themselves (no copies)"
+    selected_label = "trained"
 
     def prepare(self, model, ctx, layers=None) -> Setup:
         layers = self.choose_layers(model, ctx, layers)
