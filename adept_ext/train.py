@@ -24,7 +24,7 @@ from typing import Callable, Dict, List
 import torch
 from tqdm.auto import tqdm
 
-from . import data
+from . import data, parallel
 from .lens import Diagnosis, diagnose
 from .methods import Context, create, method_names
 from .methods.adept import explicit_layers
@@ -132,11 +132,11 @@ def config_from(overrides: Dict) -> RunConfig:
 
 
 def _device(cfg) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """cpu, or this process's GPU (cuda:LOCAL_RANK under torchrun)."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda: no GPU is available")
-    return torch.device(cfg.device)
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    return parallel.local_device(kind)
 
 
 def _use_bf16(cfg, device) -> bool:
@@ -259,15 +259,18 @@ def _peak_memory_mb(device) -> float:
 def train_steps(model, method, setup, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
                 desc: str, progress: bool, after_step: Callable[[int], None]) -> int:
     """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
-    batches per step, bf16 autocast when `bf16`, gradient clipping), the loss from `method.loss`;
-    appends to `history["train"]` and calls `after_step(step)` after each step. Returns the step."""
+    batches per step and rank, bf16 autocast when `bf16`, gradient clipping), the loss from
+    `method.loss`; appends the loss (mean over ranks) to `history["train"]` and calls
+    `after_step(step)` after each step. Returns the step. Under data parallelism `model` is the
+    DDP-wrapped model and rank r takes micro-batches r, r + W, … (see `parallel`)."""
+    world, rank = parallel.world_size(), parallel.rank()
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)
     try:
         while step < cfg.steps:
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):
-                batch = batches[(step * cfg.grad_accum + micro) % len(batches)]
+                batch = batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)]
                 batch = {k: v.to(device) for k, v in batch.items()}
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                     loss = method.loss(model, batch) / cfg.grad_accum
@@ -275,9 +278,13 @@ def train_steps(model, method, setup, optimizer, scheduler, batches, cfg, device
                 loss_sum += float(loss.detach())
             if cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(setup.trainable, cfg.max_grad_norm)
+            note = method.step_note()
+            if note:
+                bar.set_postfix_str(f"{note} …")
             optimizer.step()
             scheduler.step()
             step += 1
+            loss_sum = parallel.mean_over_ranks(loss_sum, device)
             history["train"].append({"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0]})
             bar.update(1)
             bar.set_postfix(loss=f"{loss_sum:.3f}")
@@ -314,9 +321,25 @@ def load_training_state(state: Dict, model, method, optimizer, scheduler):
 
 
 def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
-    """All stages of a run; returns the report (also written to `cfg.out`)."""
-    started = time.time()
+    """All stages of a run; returns the report (also written to `cfg.out`). Under torchrun
+    (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel and rank 0 writes."""
     device = _device(cfg)
+    created = parallel.init_from_env(device)
+    try:
+        main = parallel.is_main()
+        return _run(cfg, device, progress and main, log if main else _quiet)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+def _run(cfg: RunConfig, device, progress, log) -> Dict:
+    started = time.time()
+    main = parallel.is_main()
     bf16 = _use_bf16(cfg, device)
     check_out(cfg, "run")
     method = create(cfg.method, cfg)
@@ -332,9 +355,11 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
         corpora = Corpora(cfg, tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
-    out = prepare_out(cfg, "run")
+    out = prepare_out(cfg, "run") if main else Path(cfg.out)
+    parallel.barrier(device)
     report = {"config": asdict(cfg), "stages": {}, "machine": {"device": str(device), "threads": torch.get_num_threads(),
-                                                                 "platform": platform.platform(), "bf16": bf16}}
+                                                                 "platform": platform.platform(), "bf16": bf16,
+                                                                 "processes": parallel.world_size()}}
 
     def stage(name, t0, **extra):
         report["stages"][name] = {"seconds": round(time.time() - t0, 2), "peak_memory_mb": round(_peak_memory_mb(device)), **extra}
@@ -356,9 +381,11 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     _check_memory(cfg, model, bf16, n_trainable)
     stage("prepare", t0, layers=setup.layers, trainable_parameters=n_trainable,
           trainable_fraction=n_trainable / total_params)
-    method.write_artifacts(out)
+    if main:
+        method.write_artifacts(out)
     log(f"{cfg.method}: {setup.summary}; trainable {n_trainable / 1e6:.1f}M ({n_trainable / total_params:.1%})")
 
+    trained = parallel.wrap(model, device)
     optimizer, scheduler = optimizer_for(method, setup, cfg)
     history = {"train": [], "eval": []}
     step = 0
@@ -368,6 +395,8 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
         log(f"resumed at step {step}")
 
     def save_checkpoint():
+        if not main:
+            return
         state = {"step": step, "layers": setup.layers, "base": base, "history": history,
                  **training_state(model, method, optimizer, scheduler)}
         atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
@@ -385,7 +414,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     t0 = time.time()
     model.train()
     try:
-        step = train_steps(model, method, setup, optimizer, scheduler, corpora.domain_train, cfg, device, bf16,
+        step = train_steps(trained, method, setup, optimizer, scheduler, corpora.domain_train, cfg, device, bf16,
                            history, step, f"training ({cfg.method})", progress, after_step)
     except KeyboardInterrupt:
         save_checkpoint()
@@ -400,10 +429,11 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     stage("final_eval", t0, **final)
 
     t0 = time.time()
-    final_model = method.end_task(model, out, report)
-    atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    final_model = method.end_task(model, out if main else None, report)
+    if main:
+        atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
     stage("save", t0)
-    plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
 
     report.update({
         "method": cfg.method, "layers": setup.layers, "summary": setup.summary, "base": base, "final": final,
@@ -414,11 +444,13 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
         "trainable_parameters": n_trainable, "trainable_fraction": n_trainable / total_params,
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
         "wall_seconds": round(time.time() - started, 1)})
-    atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
-    atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
-    (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: the model replaces it
+    if main:
+        atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
+        atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
+        (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: the model replaces it
     log(f"final: general loss {final['general_loss']:.4f} (forgetting {report['forgetting_general_delta']:+.4f}), "
         f"domain loss {final['domain_loss']:.4f} (gain {report['gain_domain_delta']:+.4f}); report: {out / 'report.md'}")
+    parallel.barrier(device)  # every rank returns once rank 0 has written the run
     return report
 
 

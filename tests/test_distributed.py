@@ -138,3 +138,67 @@ def test_projection_with_sharded_parameters_all_reduces_partial_sums(tmp_path):
     for a, b, want in zip(r0, r1, grads):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_worker(rank, world, port, options, result_file):
+    """One torchrun-like process: the environment torchrun sets, then the runner as the CLI calls it."""
+    import os
+
+    from adept_ext.train import config_from, run
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    report = run(config_from(options), progress=False, log=lambda *a: None)
+    torch.save({"final": report["final"], "train": [h["loss"] for h in report["history"]["train"]],
+                "layers": report["layers"]}, f"{result_file}.{rank}")
+
+
+@pytest.fixture(scope="module")
+def run_workspace(tmp_path_factory):
+    import json
+
+    from adept_ext import data
+    from adept_ext.models import load_model
+
+    root = tmp_path_factory.mktemp("ddp")
+    tokenizer = load_model("smollm2-135m")[1]
+    model = tiny_model("llama", layers=4, vocab=len(tokenizer))
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    (root / "general.txt").write_text("\n\n".join(data.load_texts("bbc-news")[:10]))
+    (root / "domain.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in data.load_texts("python-docs")[:5]))
+    return root
+
+
+@pytest.mark.parametrize("method", ["full", "adept", "lora"])
+def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method):
+    """2 gloo ranks x grad_accum 1 take the micro-batches one process takes with grad_accum 2: the
+    losses agree to float rounding, rank 0 alone writes, and the model loads with plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from adept_ext.train import config_from, run
+
+    ws = run_workspace
+    options = dict(model=str(ws / "tiny"), general=str(ws / "general.txt"), domain=str(ws / "domain.jsonl"),
+                   method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=4,
+                   eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
+                 log=lambda *a: None)
+    mp.spawn(_run_worker, args=(2, _free_port(), {**options, "out": str(tmp_path / "ddp")}, str(tmp_path / "r")),
+             nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
+    assert r0 == r1 and r0["layers"] == single["layers"]
+    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
+    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
+    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
+    assert not any("lora" in n for n, _ in saved.named_parameters())
+    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in (tmp_path / "single").iterdir())

@@ -102,13 +102,18 @@ class DecoupledRates:
     def attach(self, optimizer):
         self.decoupled = DecoupledLR(optimizer, self.importance, every=self.cfg.recompute_every)
 
+    def step_note(self) -> str:
+        due = self.decoupled is not None and (self.decoupled.steps + 1) % self.decoupled.every == 0
+        return "recomputing unit importance" if due else ""
+
     def end_task(self, model, out, report: Dict):
         self.decoupled.remove()
         units, multipliers = self.importance.units, self.decoupled.multipliers
         report["unit_rates"] = {"multipliers": dict(zip([u.name for u in units], multipliers)),
                                 "mean_multiplier": self.decoupled.mean_multiplier,
                                 "recomputes": self.decoupled.recomputes}
-        plot_unit_rates(units, multipliers, out / "unit_rates.png")
+        if out is not None:  # None on the ranks that write nothing
+            plot_unit_rates(units, multipliers, out / "unit_rates.png")
         self.decoupled = None
         return super().end_task(model, out, report)
 

@@ -124,6 +124,10 @@ class Method:
     def attach(self, optimizer):
         """Install optimizer-step hooks once the optimizer exists."""
 
+    def step_note(self) -> str:
+        """What the next optimizer step will do besides updating (for the progress bar), or ""."""
+        return ""
+
     def train_blocks(self, blocks: List[Dict[str, torch.Tensor]], task_index: int) -> Dict[str, torch.Tensor]:
         """The training blocks of task `task_index`, given every task's training blocks (default: its own)."""
         return blocks[task_index]
@@ -133,8 +137,9 @@ class Method:
         return model(**batch, use_cache=False).loss
 
     def end_task(self, model, out, report: Dict):
-        """After training a task: detach hooks, write plots, add report entries; returns the model
-        to evaluate and save (a plain Hugging Face model)."""
+        """After training a task: detach hooks, write plots into `out` (None: write nothing, e.g.
+        on ranks other than 0), add report entries; returns the model to evaluate and save (a
+        plain Hugging Face model)."""
         return model
 
     def state_dict(self) -> Dict:

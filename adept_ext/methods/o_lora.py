@@ -29,7 +29,7 @@ class OLora(SeqLora):
         if not self.previous or self.cfg.o_lora_lambda == 0:
             return loss
         penalty = loss.new_zeros(())
-        for name, layer in lora_adapters(model):
+        for name, layer in lora_adapters(getattr(model, "module", model)):  # under DDP: the wrapped model
             a = layer.lora_A["default"].weight
             old = self.previous[name]
             if old.device != a.device:

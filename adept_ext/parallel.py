@@ -1,0 +1,73 @@
+"""Data parallelism for the runners through PyTorch's own engines: `torchrun` starts the processes
+and sets RANK / WORLD_SIZE / LOCAL_RANK; `init_from_env` joins them into a process group (NCCL on
+GPUs, gloo on the CPU) and `wrap` puts the trained model into DistributedDataParallel.
+
+Conventions of the runners under data parallelism: every rank loads the same model and data and
+seeds the same way; rank r takes micro-batches r, r + W, r + 2W, … of the sequence a single
+process would take (so W ranks with grad_accum g equal one process with grad_accum g·W); probes
+and unit importance shard their batches and all-reduce (probe.py, units.py); evaluation runs on
+every rank (identical results, no collective); rank 0 alone writes files and logs.
+"""
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def launched_world() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when not launched by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_device(device_type: str) -> torch.device:
+    """This process's device: cuda:LOCAL_RANK on GPUs (never a bare "cuda"), else the CPU."""
+    if device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device_type)
+
+
+def init_from_env(device: torch.device) -> bool:
+    """Join torchrun's process group when launched with WORLD_SIZE > 1 and none exists yet;
+    returns whether this call created it (and so must destroy it)."""
+    if launched_world() <= 1 or dist.is_initialized():
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return True
+
+
+def wrap(model, device: torch.device):
+    """The model to train: DistributedDataParallel over all ranks when there are several."""
+    if world_size() == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    """The mean of a per-rank float over all ranks (the value itself in one process)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()) / world_size()
+
+
+def barrier(device: Optional[torch.device] = None):
+    if world_size() > 1:
+        dist.barrier(device_ids=[device.index] if device is not None and device.type == "cuda" else None)
