@@ -181,8 +181,10 @@ def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     """c = Qᵀg over a list of tensors (EoupCT null-space projection, SPEC §2).
 
     basis[i] is [k, *grads[i].shape] (float32 or bfloat16): row j is tensor i's slice of basis
-    vector j. grads: float32/bfloat16/float16. Returns float64 [k] with c_j = Σ_i ⟨basis_i[j], grads_i⟩,
-    accumulated in float32 per 4096-element chunk and float64 across chunks (deterministic).
+    vector j. grads: float32/bfloat16/float16, and the dtypes may differ across the list. Returns
+    float64 [k] with c_j = Σ_i ⟨basis_i[j], grads_i⟩, accumulated in float32 per 8192-element chunk
+    and float64 across chunks in a fixed order (deterministic). Any k: no kernel keeps k values in
+    shared memory (the CUDA kernels hold the coefficients in registers, 8 at a time).
     """
     basis, grads, _ = _check_basis("null_space_coeffs", basis, grads, in_place=False)
     return torch.ops.adept_ext.null_space_coeffs.default([q.detach() for q in basis], [g.detach() for g in grads])
