@@ -160,12 +160,36 @@ def _check_tensor_list(name: str, label: str, tensors, device, dtypes=SUPPORTED_
     return tensors
 
 
+def _detached(tensors):
+    """The list itself when no tensor requires grad (the usual case: a detach per tensor costs a
+    few microseconds, which add up over hundreds of tensors per call), else detached views."""
+    return [t.detach() for t in tensors] if any(t.requires_grad for t in tensors) else tensors
+
+
+def _basis_ok(basis, grads, in_place: bool) -> bool:
+    """All of _check_basis's conditions in one pass without messages: the per-call fast path."""
+    q0 = basis[0]
+    if not isinstance(q0, torch.Tensor) or q0.dim() == 0:
+        return False
+    device, k = q0.device, q0.shape[0]
+    for q, g in zip(basis, grads):
+        if not (isinstance(q, torch.Tensor) and isinstance(g, torch.Tensor) and q.dtype in BASIS_DTYPES
+                and g.dtype in SUPPORTED_DTYPES and q.device == device and g.device == device):
+            return False
+        shape = q.shape
+        if shape[0] != k or shape[1:] != g.shape or (in_place and not g.is_contiguous()):
+            return False
+    return True
+
+
 def _check_basis(name: str, basis, grads, in_place: bool):
     basis, grads = list(basis), list(grads)
     if len(basis) != len(grads):
         raise ValueError(f"{name}: got {len(basis)} basis tensors but {len(grads)} grads")
     if not basis:
         raise ValueError(f"{name}: empty tensor lists")
+    if _basis_ok(basis, grads, in_place):
+        return basis, grads, basis[0].shape[0]
     device = basis[0].device if isinstance(basis[0], torch.Tensor) else None
     basis = _check_tensor_list(name, "basis", basis, device, BASIS_DTYPES)
     grads = _check_tensor_list(name, "grads", grads, device, contiguous=in_place)
@@ -187,7 +211,7 @@ def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     shared memory (the CUDA kernels hold the coefficients in registers, 8 at a time).
     """
     basis, grads, _ = _check_basis("null_space_coeffs", basis, grads, in_place=False)
-    return torch.ops.adept_ext.null_space_coeffs.default([q.detach() for q in basis], [g.detach() for g in grads])
+    return torch.ops.adept_ext.null_space_coeffs.default(_detached(basis), _detached(grads))
 
 
 def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], coeffs: torch.Tensor) -> None:
@@ -198,7 +222,7 @@ def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         raise ValueError(f"null_space_apply_: coeffs must be a float64 tensor of shape ({k},)")
     if coeffs.device != grads[0].device:
         raise ValueError(f"null_space_apply_: coeffs is on {coeffs.device}, the tensors on {grads[0].device}")
-    torch.ops.adept_ext.null_space_apply_.default([q.detach() for q in basis], [g.detach() for g in grads], coeffs)
+    torch.ops.adept_ext.null_space_apply_.default(_detached(basis), _detached(grads), coeffs)
 
 
 def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tensor], lam: float = 1.0,
@@ -220,8 +244,7 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
             raise ValueError(f"{name}: g_new[{i}] has shape {tuple(a.shape)} but g_pre[{i}] has {tuple(b.shape)}")
     if eps < 0:
         raise ValueError(f"{name}: eps must be >= 0, got {eps}")
-    return torch.ops.adept_ext.conflict_correct_.default([a.detach() for a in g_new], [b.detach() for b in g_pre],
-                                                         float(lam), float(eps))
+    return torch.ops.adept_ext.conflict_correct_.default(_detached(g_new), _detached(g_pre), float(lam), float(eps))
 
 
 @torch.library.register_fake("adept_ext::null_space_coeffs")
