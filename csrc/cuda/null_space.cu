@@ -76,6 +76,20 @@ static_assert(kProjChunk % (kThreads * kVec) == 0, "a chunk must be whole vector
 template <int V>
 __device__ __forceinline__ int64_t elem(int it) { return (static_cast<int64_t>(it) * kThreads + threadIdx.x) * V; }
 
+// Calls fn(it, e, x) for each group `it` of V elements that the thread owns in its chunk, at offset
+// e < n of the chunk, with x = p[e, e + V) as float (the loop is unrolled: `it` is a constant).
+template <int V, typename T, typename Fn>
+__device__ __forceinline__ void for_each_group(const T* p, int64_t n, Fn fn) {
+#pragma unroll
+  for (int it = 0; it < iters<V>(); ++it) {
+    const int64_t e = elem<V>(it);
+    if (e >= n) break;
+    float x[V];
+    load_vec<V>(p, e, x);
+    fn(it, e, x);
+  }
+}
+
 // a = the basis, b = the grads.
 template <typename TQ, typename TG>
 __global__ void __launch_bounds__(kThreads) coeffs_partial_kernel(const __grid_constant__ ListMeta meta, int64_t k,
@@ -86,34 +100,21 @@ __global__ void __launch_bounds__(kThreads) coeffs_partial_kernel(const __grid_c
   const int64_t numel = meta.numel[sp.t];
   with_width(meta.aligned[sp.t] != 0, [&](auto width) {
     constexpr int V = decltype(width)::value;
-    constexpr int I = iters<V>();
-    float gv[I][V];
+    float gv[iters<V>()][V] = {};  // the thread's grad elements, read once for all basis rows
+    for_each_group<V>(g, sp.n, [&](int it, int64_t, const float(&x)[V]) {
 #pragma unroll
-    for (int it = 0; it < I; ++it) {
-      const int64_t e = elem<V>(it);
-      if (e < sp.n) {
-        load_vec<V>(g, e, gv[it]);
-      } else {
-#pragma unroll
-        for (int v = 0; v < V; ++v) gv[it][v] = 0.f;
-      }
-    }
+      for (int v = 0; v < V; ++v) gv[it][v] = x[v];
+    });
     for (int64_t j0 = 0; j0 < k; j0 += kRows) {
       float acc[kRows];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         acc[r] = 0.f;
         if (j0 + r >= k) continue;
-        const TQ* row = q + (j0 + r) * numel + sp.s;
+        for_each_group<V>(q + (j0 + r) * numel + sp.s, sp.n, [&](int it, int64_t, const float(&x)[V]) {
 #pragma unroll
-        for (int it = 0; it < I; ++it) {
-          const int64_t e = elem<V>(it);
-          if (e >= sp.n) break;
-          float qv[V];
-          load_vec<V>(row, e, qv);
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[r] += qv[v] * gv[it][v];
-        }
+          for (int v = 0; v < V; ++v) acc[r] += x[v] * gv[it][v];
+        });
       }
       block_sum_to(acc, partial + sp.chunk * k + j0, static_cast<int>(k - j0 < kRows ? k - j0 : kRows));
     }
@@ -140,39 +141,24 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const __grid_constant__
   const int64_t numel = meta.numel[sp.t];
   with_width(meta.aligned[sp.t] != 0, [&](auto width) {
     constexpr int V = decltype(width)::value;
-    constexpr int I = iters<V>();
-    float acc[I][V];
-#pragma unroll
-    for (int it = 0; it < I; ++it)
-#pragma unroll
-      for (int v = 0; v < V; ++v) acc[it][v] = 0.f;
+    float acc[iters<V>()][V] = {};  // Σ_j c_j·Q[j, e] for the thread's elements
     for (int64_t j0 = 0; j0 < k; j0 += kRows) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         if (j0 + r >= k) break;
         const float c = static_cast<float>(coeffs[j0 + r]);
-        const TQ* row = q + (j0 + r) * numel + sp.s;
+        for_each_group<V>(q + (j0 + r) * numel + sp.s, sp.n, [&](int it, int64_t, const float(&x)[V]) {
 #pragma unroll
-        for (int it = 0; it < I; ++it) {
-          const int64_t e = elem<V>(it);
-          if (e >= sp.n) break;
-          float qv[V];
-          load_vec<V>(row, e, qv);
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[it][v] += c * qv[v];
-        }
+          for (int v = 0; v < V; ++v) acc[it][v] += c * x[v];
+        });
       }
     }
+    for_each_group<V>(g, sp.n, [&](int it, int64_t e, const float(&x)[V]) {
+      float out[V];
 #pragma unroll
-    for (int it = 0; it < I; ++it) {
-      const int64_t e = elem<V>(it);
-      if (e >= sp.n) break;
-      float gv[V];
-      load_vec<V>(g, e, gv);
-#pragma unroll
-      for (int v = 0; v < V; ++v) gv[v] -= acc[it][v];
-      store_vec<V>(g, e, gv);
-    }
+      for (int v = 0; v < V; ++v) out[v] = x[v] - acc[it][v];
+      store_vec<V>(g, e, out);
+    });
   });
 }
 
@@ -186,12 +172,8 @@ __global__ void __launch_bounds__(kThreads) conflict_partial_kernel(const __grid
   float acc[3] = {0.f, 0.f, 0.f};  // <a, b>, |b|², |a|²
   with_width(meta.aligned[sp.t] != 0, [&](auto width) {
     constexpr int V = decltype(width)::value;
-#pragma unroll
-    for (int it = 0; it < iters<V>(); ++it) {
-      const int64_t e = elem<V>(it);
-      if (e >= sp.n) break;
-      float x[V], y[V];
-      load_vec<V>(a, e, x);
+    for_each_group<V>(a, sp.n, [&](int, int64_t e, const float(&x)[V]) {
+      float y[V];
       load_vec<V>(b, e, y);
 #pragma unroll
       for (int v = 0; v < V; ++v) {
@@ -199,7 +181,7 @@ __global__ void __launch_bounds__(kThreads) conflict_partial_kernel(const __grid
         acc[1] += y[v] * y[v];
         acc[2] += x[v] * x[v];
       }
-    }
+    });
   });
   block_sum_to(acc, partial + 3 * sp.chunk, 3);
 }
@@ -217,17 +199,13 @@ __global__ void __launch_bounds__(kThreads) conflict_update_kernel(const __grid_
   const auto* b = static_cast<const TB*>(meta.b[sp.t]) + sp.s;
   with_width(meta.aligned[sp.t] != 0, [&](auto width) {
     constexpr int V = decltype(width)::value;
-#pragma unroll
-    for (int it = 0; it < iters<V>(); ++it) {
-      const int64_t e = elem<V>(it);
-      if (e >= sp.n) break;
-      float x[V], y[V];
-      load_vec<V>(a, e, x);
+    for_each_group<V>(a, sp.n, [&](int, int64_t e, const float(&x)[V]) {
+      float y[V];
       load_vec<V>(b, e, y);
 #pragma unroll
-      for (int v = 0; v < V; ++v) x[v] += scale * y[v];
-      store_vec<V>(a, e, x);
-    }
+      for (int v = 0; v < V; ++v) y[v] = x[v] + scale * y[v];
+      store_vec<V>(a, e, y);
+    });
   });
 }
 
