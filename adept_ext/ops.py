@@ -7,12 +7,35 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _detached(tensors):
+    """The list itself when no tensor requires grad (the usual case: a detach per tensor costs a
+    few microseconds, which add up over hundreds of tensors per call), else detached views."""
+    return [t.detach() for t in tensors] if any(t.requires_grad for t in tensors) else tensors
+
+
+def _pairs_ok(params, grads):
+    """All of _check_tensor_pairs's conditions in one pass without messages (the per-call fast
+    path); returns (ok, common device)."""
+    device = None
+    for p, g in zip(params, grads):
+        if not (isinstance(p, torch.Tensor) and isinstance(g, torch.Tensor) and p.dtype in SUPPORTED_DTYPES
+                and g.dtype in SUPPORTED_DTYPES):
+            return False, None
+        if device is None:
+            device = p.device
+        if p.device != device or g.device != device or p.shape != g.shape:
+            return False, None
+    return True, device
+
+
 def _check_tensor_pairs(name: str, params, grads):
-    """Validate two parallel tensor lists; returns them as lists and their common device."""
+    """Validate two parallel tensor lists; returns them as lists (detached) and their common device."""
     params, grads = list(params), list(grads)
     if len(params) != len(grads):
         raise ValueError(f"{name}: got {len(params)} params but {len(grads)} grads")
-    device = None
+    ok, device = _pairs_ok(params, grads)
+    if ok:
+        return _detached(params), _detached(grads), device
     for i, (p, g) in enumerate(zip(params, grads)):
         if g is None:
             raise ValueError(f"{name}: grads[{i}] is None (parameter {i} received no gradient)")
@@ -27,7 +50,7 @@ def _check_tensor_pairs(name: str, params, grads):
                 raise ValueError(f"{name}: {label}[{i}] is on {t.device}, but the other tensors are on {device}")
         if p.shape != g.shape:
             raise ValueError(f"{name}: params[{i}] has shape {tuple(p.shape)} but grads[{i}] has {tuple(g.shape)}")
-    return [p.detach() for p in params], [g.detach() for g in grads], device
+    return _detached(params), _detached(grads), device
 
 
 def taylor_importance(
@@ -158,12 +181,6 @@ def _check_tensor_list(name: str, label: str, tensors, device, dtypes=SUPPORTED_
         if contiguous and not t.is_contiguous():
             raise ValueError(f"{name}: {label}[{i}] must be contiguous (it is updated in place)")
     return tensors
-
-
-def _detached(tensors):
-    """The list itself when no tensor requires grad (the usual case: a detach per tensor costs a
-    few microseconds, which add up over hundreds of tensors per call), else detached views."""
-    return [t.detach() for t in tensors] if any(t.requires_grad for t in tensors) else tensors
 
 
 def _basis_ok(basis, grads, in_place: bool) -> bool:
