@@ -70,7 +70,8 @@ def taylor_importance(
 
     With ``out`` (float32 [n, 2] on the inputs' device) the sums are written into it, or added
     onto it when ``accumulate=True`` (no host synchronisation: a probe loop over batches
-    accumulates Σ_b |θ⊙g_b| on the device). Raises ValueError/TypeError, naming the offending
+    accumulates Σ_b |θ⊙g_b| on the device). A call allocates no metadata buffer and copies
+    nothing to the device, so it can be captured in a CUDA graph. Raises ValueError/TypeError, naming the offending
     index, before anything is written.
     """
     params, grads, device = _check_tensor_pairs("taylor_importance", params, grads)
@@ -194,7 +195,7 @@ def _basis_ok(basis, grads, in_place: bool) -> bool:
                 and g.dtype in SUPPORTED_DTYPES and q.device == device and g.device == device):
             return False
         shape = q.shape
-        if shape[0] != k or shape[1:] != g.shape or (in_place and not g.is_contiguous()):
+        if len(shape) != g.dim() + 1 or shape[0] != k or shape[1:] != g.shape or (in_place and not g.is_contiguous()):
             return False
     return True
 

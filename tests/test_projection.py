@@ -162,6 +162,28 @@ def test_k_above_the_shared_memory_limit():
 
 
 @cuda_only
+def test_cuda_graph_capture_of_the_projection():
+    # The ops allocate no metadata and do not synchronise: coeffs + apply can be captured, and a
+    # replay projects the gradients' current values.
+    basis, grads = orthonormal_basis(SHAPES, 5, "cuda"), rand_list(SHAPES, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        null_space_apply_(basis, grads, null_space_coeffs(basis, grads))  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        null_space_apply_(basis, grads, null_space_coeffs(basis, grads))
+    fresh = rand_list(SHAPES, "cuda")
+    for g, f in zip(grads, fresh):
+        g.copy_(f)
+    want = reference.null_space_project(basis, fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(flat(grads), torch.cat([w.reshape(-1) for w in want]), rtol=1e-5, atol=1e-5)
+
+
+@cuda_only
 @pytest.mark.parametrize("k", [1, 8, 33])
 def test_cpu_and_cuda_agree(k):
     # Same float32 chunk partials (8192 elements), reduced in float64 in the same order; only the
@@ -227,6 +249,7 @@ def test_opcheck(device):
     (lambda q, g: null_space_coeffs([q[0], q[1][:1]] + q[2:], g), ValueError, r"basis\[1\] has shape"),
     (lambda q, g: null_space_coeffs(q, g[:1] + [g[1].double()] + g[2:]), TypeError, r"grads\[1\] has dtype"),
     (lambda q, g: null_space_coeffs([q[0].half()] + q[1:], g), TypeError, r"basis\[0\] has dtype"),
+    (lambda q, g: null_space_coeffs([q[0], torch.tensor(1.0)] + q[2:], g), ValueError, r"basis\[1\] has shape"),
     (lambda q, g: null_space_coeffs(q, g[:1] + [None] + g[2:]), ValueError, r"grads\[1\] is None"),
     (lambda q, g: null_space_coeffs(q, g[:1] + [g[1].to("meta")] + g[2:]), ValueError, r"grads\[1\] is on meta"),
     (lambda q, g: null_space_apply_(q, g, torch.zeros(3)), ValueError, "float64"),
