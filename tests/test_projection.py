@@ -102,16 +102,15 @@ def test_mixed_dtype_lists(device, shift):
 
 
 @pytest.mark.parametrize("adtype,bdtype", [(a, b) for a in GDTYPES for b in GDTYPES])
-@pytest.mark.parametrize("conflict", [False, True])
-def test_conflict_correct_exact_in_every_dtype_pair(device, adtype, bdtype, conflict):
-    # b integer-valued; a = -2b (a conflict: coefficient -2, result lam·b) or a independent
-    # integers with <a, b> >= 0 (no conflict: a + lam·b). Both exact in every dtype.
-    shift = 1
+@pytest.mark.parametrize("conflict,shift", [(False, 1), (True, 1), (False, 3), (True, 3)])
+def test_conflict_correct_exact_in_every_dtype_pair(device, adtype, bdtype, conflict, shift):
+    # b integer-valued, on views x[shift:]; a = -2b (a conflict: coefficient -2, result lam·b) or
+    # a = b's values (no conflict: a + lam·b). Both exact in every dtype.
     b = views(EXACT_SHAPES, device, bdtype, 7, shift)
+    a = views(EXACT_SHAPES, device, adtype, 7, shift)
     if conflict:
-        a = [(-2 * x.float()).to(adtype) for x in b]
-    else:
-        a = views(EXACT_SHAPES, device, adtype, 7, shift)
+        for x, y in zip(a, b):
+            x.copy_(-2 * y.float())
     want, coef = reference.conflict_correct(a, b, lam=3.0, eps=1e-6)
     assert coef == (-2.0 if conflict else 0.0)
     stats = conflict_correct_(a, b, lam=3.0, eps=1e-6)
