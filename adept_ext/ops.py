@@ -7,12 +7,35 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _detached(tensors):
+    """The list itself when no tensor requires grad (the usual case: a detach per tensor costs a
+    few microseconds, which add up over hundreds of tensors per call), else detached views."""
+    return [t.detach() for t in tensors] if any(t.requires_grad for t in tensors) else tensors
+
+
+def _pairs_ok(params, grads):
+    """All of _check_tensor_pairs's conditions in one pass without messages (the per-call fast
+    path); returns (ok, common device)."""
+    device = None
+    for p, g in zip(params, grads):
+        if not (isinstance(p, torch.Tensor) and isinstance(g, torch.Tensor) and p.dtype in SUPPORTED_DTYPES
+                and g.dtype in SUPPORTED_DTYPES):
+            return False, None
+        if device is None:
+            device = p.device
+        if p.device != device or g.device != device or p.shape != g.shape:
+            return False, None
+    return True, device
+
+
 def _check_tensor_pairs(name: str, params, grads):
-    """Validate two parallel tensor lists; returns them as lists and their common device."""
+    """Validate two parallel tensor lists; returns them as lists (detached) and their common device."""
     params, grads = list(params), list(grads)
     if len(params) != len(grads):
         raise ValueError(f"{name}: got {len(params)} params but {len(grads)} grads")
-    device = None
+    ok, device = _pairs_ok(params, grads)
+    if ok:
+        return _detached(params), _detached(grads), device
     for i, (p, g) in enumerate(zip(params, grads)):
         if g is None:
             raise ValueError(f"{name}: grads[{i}] is None (parameter {i} received no gradient)")
@@ -27,7 +50,7 @@ def _check_tensor_pairs(name: str, params, grads):
                 raise ValueError(f"{name}: {label}[{i}] is on {t.device}, but the other tensors are on {device}")
         if p.shape != g.shape:
             raise ValueError(f"{name}: params[{i}] has shape {tuple(p.shape)} but grads[{i}] has {tuple(g.shape)}")
-    return [p.detach() for p in params], [g.detach() for g in grads], device
+    return _detached(params), _detached(grads), device
 
 
 def taylor_importance(
@@ -47,7 +70,8 @@ def taylor_importance(
 
     With ``out`` (float32 [n, 2] on the inputs' device) the sums are written into it, or added
     onto it when ``accumulate=True`` (no host synchronisation: a probe loop over batches
-    accumulates Σ_b |θ⊙g_b| on the device). Raises ValueError/TypeError, naming the offending
+    accumulates Σ_b |θ⊙g_b| on the device). A call allocates no metadata buffer and copies
+    nothing to the device, so it can be captured in a CUDA graph. Raises ValueError/TypeError, naming the offending
     index, before anything is written.
     """
     params, grads, device = _check_tensor_pairs("taylor_importance", params, grads)
@@ -160,12 +184,30 @@ def _check_tensor_list(name: str, label: str, tensors, device, dtypes=SUPPORTED_
     return tensors
 
 
+def _basis_ok(basis, grads, in_place: bool) -> bool:
+    """All of _check_basis's conditions in one pass without messages: the per-call fast path."""
+    q0 = basis[0]
+    if not isinstance(q0, torch.Tensor) or q0.dim() == 0:
+        return False
+    device, k = q0.device, q0.shape[0]
+    for q, g in zip(basis, grads):
+        if not (isinstance(q, torch.Tensor) and isinstance(g, torch.Tensor) and q.dtype in BASIS_DTYPES
+                and g.dtype in SUPPORTED_DTYPES and q.device == device and g.device == device):
+            return False
+        shape = q.shape
+        if len(shape) != g.dim() + 1 or shape[0] != k or shape[1:] != g.shape or (in_place and not g.is_contiguous()):
+            return False
+    return True
+
+
 def _check_basis(name: str, basis, grads, in_place: bool):
     basis, grads = list(basis), list(grads)
     if len(basis) != len(grads):
         raise ValueError(f"{name}: got {len(basis)} basis tensors but {len(grads)} grads")
     if not basis:
         raise ValueError(f"{name}: empty tensor lists")
+    if _basis_ok(basis, grads, in_place):
+        return basis, grads, basis[0].shape[0]
     device = basis[0].device if isinstance(basis[0], torch.Tensor) else None
     basis = _check_tensor_list(name, "basis", basis, device, BASIS_DTYPES)
     grads = _check_tensor_list(name, "grads", grads, device, contiguous=in_place)
@@ -181,11 +223,13 @@ def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     """c = Qᵀg over a list of tensors (EoupCT null-space projection, SPEC §2).
 
     basis[i] is [k, *grads[i].shape] (float32 or bfloat16): row j is tensor i's slice of basis
-    vector j. grads: float32/bfloat16/float16. Returns float64 [k] with c_j = Σ_i ⟨basis_i[j], grads_i⟩,
-    accumulated in float32 per 4096-element chunk and float64 across chunks (deterministic).
+    vector j. grads: float32/bfloat16/float16, and the dtypes may differ across the list. Returns
+    float64 [k] with c_j = Σ_i ⟨basis_i[j], grads_i⟩, accumulated in float32 per 8192-element chunk
+    and float64 across chunks in a fixed order (deterministic). Any k: no kernel keeps k values in
+    shared memory (the CUDA kernels hold the coefficients in registers, 8 at a time).
     """
     basis, grads, _ = _check_basis("null_space_coeffs", basis, grads, in_place=False)
-    return torch.ops.adept_ext.null_space_coeffs.default([q.detach() for q in basis], [g.detach() for g in grads])
+    return torch.ops.adept_ext.null_space_coeffs.default(_detached(basis), _detached(grads))
 
 
 def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], coeffs: torch.Tensor) -> None:
@@ -196,7 +240,7 @@ def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         raise ValueError(f"null_space_apply_: coeffs must be a float64 tensor of shape ({k},)")
     if coeffs.device != grads[0].device:
         raise ValueError(f"null_space_apply_: coeffs is on {coeffs.device}, the tensors on {grads[0].device}")
-    torch.ops.adept_ext.null_space_apply_.default([q.detach() for q in basis], [g.detach() for g in grads], coeffs)
+    torch.ops.adept_ext.null_space_apply_.default(_detached(basis), _detached(grads), coeffs)
 
 
 def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tensor], lam: float = 1.0,
@@ -218,8 +262,7 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
             raise ValueError(f"{name}: g_new[{i}] has shape {tuple(a.shape)} but g_pre[{i}] has {tuple(b.shape)}")
     if eps < 0:
         raise ValueError(f"{name}: eps must be >= 0, got {eps}")
-    return torch.ops.adept_ext.conflict_correct_.default([a.detach() for a in g_new], [b.detach() for b in g_pre],
-                                                         float(lam), float(eps))
+    return torch.ops.adept_ext.conflict_correct_.default(_detached(g_new), _detached(g_pre), float(lam), float(eps))
 
 
 @torch.library.register_fake("adept_ext::null_space_coeffs")

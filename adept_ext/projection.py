@@ -65,7 +65,12 @@ class _Memory:
 
     @property
     def basis(self) -> List[torch.Tensor]:
-        return [s[:self.k] for s in self.storage]
+        """The views storage[i][:k] (cached per k: slicing hundreds of tensors on every call costs
+        more host time than the projection kernels take on a GPU at mid sizes). Do not modify the list."""
+        cache = getattr(self, "_basis_cache", None)
+        if cache is None or cache[0] != self.k or cache[1] is not self.storage:
+            cache = self._basis_cache = (self.k, self.storage, [s[:self.k] for s in self.storage])
+        return cache[2]
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sums partial results over the shards (a no-op for unsharded parameters)."""

@@ -29,6 +29,26 @@ inline std::vector<int64_t> numels_of(const std::vector<at::Tensor>& ts) {
   return n;
 }
 
+// Calls fn(a_tag, b_tag) with typed null pointers (float, at::BFloat16, at::Half) for the dtypes
+// of one tensor pair: the host-side dtype dispatch of the CPU and CUDA multi-tensor kernels.
+template <typename Fn>
+void dispatch_pair(at::ScalarType ta, at::ScalarType tb, Fn fn) {
+  auto with_b = [&](auto a) {
+    switch (tb) {
+      case at::kFloat: return fn(a, static_cast<float*>(nullptr));
+      case at::kBFloat16: return fn(a, static_cast<at::BFloat16*>(nullptr));
+      case at::kHalf: return fn(a, static_cast<at::Half*>(nullptr));
+      default: TORCH_CHECK(false, "adept_ext: unsupported dtype ", tb);
+    }
+  };
+  switch (ta) {
+    case at::kFloat: return with_b(static_cast<float*>(nullptr));
+    case at::kBFloat16: return with_b(static_cast<at::BFloat16*>(nullptr));
+    case at::kHalf: return with_b(static_cast<at::Half*>(nullptr));
+    default: TORCH_CHECK(false, "adept_ext: unsupported dtype ", ta);
+  }
+}
+
 // owner[c] = the tensor that chunk c belongs to.
 inline std::vector<int64_t> chunk_owners(const std::vector<int64_t>& first) {
   std::vector<int64_t> owner(first.back());

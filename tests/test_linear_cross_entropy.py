@@ -5,6 +5,9 @@ import torch.nn.functional as F
 
 from adept_ext import reference
 from adept_ext.ops import linear_cross_entropy
+from conftest import cuda_only
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def make(n, h, v, device, dtype=torch.float32, ignore_every=0):
@@ -63,6 +66,75 @@ def test_large_logits_are_stable(device):
     got = linear_cross_entropy(hidden, weight, targets)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), reference.linear_cross_entropy(hidden, weight, targets), rtol=1e-5, atol=1e-2)
+
+
+def lowprec_ok(got, hidden, weight, targets, rows=slice(None)):
+    """Max error vs the float64 reference: float32 within 1e-5 relative; bfloat16/float16 within
+    twice plain PyTorch's max error in the same precision (flash-attention style)."""
+    exact = reference.linear_cross_entropy(hidden, weight, targets).cpu()[rows]
+    err = (got.double().cpu()[rows] - exact).abs().max()
+    if hidden.dtype == torch.float32:
+        return err <= 1e-5 * (1 + exact.abs().max()), (err, exact.abs().max())
+    err_torch = (plain_torch(hidden, weight, targets).cpu()[rows] - exact).abs().max()
+    return err <= 2 * err_torch + 1e-4, (err, err_torch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_infinite_logits(device, dtype):
+    # Logits that overflow the GEMM's dtype are ±inf. A -inf logit adds exp(-inf) = 0 to the sum;
+    # a +inf one makes the loss +inf (not NaN, as the CUDA kernel once gave); a -inf target logit
+    # makes it +inf too; a +inf target logit is inf - inf = NaN. CPU and CUDA give the same.
+    big = 256.0 if dtype == torch.float16 else 2.0**65  # big² overflows the dtype, big does not
+    h, v, neg, pos = 8, 45, 5, 43  # pos lies in the vector tail of the CPU kernel
+    a = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])  # hidden feature 0 (× big): logit `neg` is -inf where 1
+    b = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0])  # hidden feature 1 (× big): logit `pos` is +inf where 1
+    hidden = torch.cat([(a * big)[:, None], (b * big)[:, None], torch.randn(5, h - 2)], 1)
+    weight = torch.cat([torch.zeros(v, 2), torch.randn(v, h - 2) / h**0.5], 1)
+    weight[neg] = 0
+    weight[neg, 0] = -big
+    weight[pos] = 0
+    weight[pos, 1] = big
+    targets = torch.tensor([3, 3, neg, 3, pos])
+    hidden, weight, targets = hidden.to(device, dtype), weight.to(device, dtype), targets.to(device)
+    logits = (hidden @ weight.T).cpu()
+    assert logits[0, neg] == -float("inf") and logits[1, pos] == float("inf") and torch.isfinite(logits[0, pos])
+    got = linear_cross_entropy(hidden, weight, targets).cpu()
+    ok, info = lowprec_ok(got, hidden, weight, targets, rows=slice(0, 1))  # -inf only: the reference holds
+    assert ok, info
+    assert got[1:4].tolist() == [float("inf")] * 3 and torch.isnan(got[4]), got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_realistic_vocabulary_max_error(device, dtype):
+    hidden, weight, targets = make(16, 64, 32768 + 17, device, dtype, ignore_every=7)
+    got = linear_cross_entropy(hidden, weight, targets, chunk_rows=5)
+    ok, info = lowprec_ok(got, hidden, weight, targets)
+    assert ok, info
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shift", [1, 3])
+def test_unaligned_views(device, dtype, shift):
+    n, h, v = 21, 33, 301
+    hidden = torch.randn(n * h + shift, device=device).to(dtype)[shift:].view(n, h)
+    weight = (torch.randn(v * h + shift, device=device) / h**0.5).to(dtype)[shift:].view(v, h)
+    targets = torch.randint(0, v, (n + shift,), device=device)[shift:]
+    got = linear_cross_entropy(hidden, weight, targets, chunk_rows=4)
+    ok, info = lowprec_ok(got, hidden, weight, targets)
+    assert ok, info
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_and_cuda_agree(dtype):
+    # The same logsumexp in float32 on each side; the GEMMs (MKL/oneDNN vs cuBLAS) round
+    # differently: |cpu - cuda| <= 1e-4·(1 + |loss|) in float32, 2^-6·(1 + |loss|) in bfloat16
+    # (a few bfloat16 ulps of the logits).
+    hidden, weight, targets = make(64, 128, 5000, "cpu", dtype, ignore_every=9)
+    cpu = linear_cross_entropy(hidden, weight, targets)
+    cuda = linear_cross_entropy(hidden.cuda(), weight.cuda(), targets.cuda()).cpu()
+    rel = 1e-4 if dtype == torch.float32 else 2.0**-6
+    assert ((cpu - cuda).abs() <= rel * (1 + cpu.abs())).all(), (cpu - cuda).abs().max()
 
 
 def test_opcheck(device):

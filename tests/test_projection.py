@@ -7,6 +7,7 @@ import torch
 from adept_ext import reference
 from adept_ext.ops import conflict_correct_, null_space_apply_, null_space_coeffs
 from adept_ext.projection import GradientMemory, GramMemory, NullSpaceProjector
+from conftest import cuda_only, integer_valued
 
 SHAPES = [(5, 7), (0,), (9000,), (3,), (2, 3, 4)]
 
@@ -31,7 +32,7 @@ def orthonormal_basis(shapes, k, device, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("k", [0, 1, 7, 64])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 7, 8, 9, 64])
 def test_coeffs_and_apply_match_reference(device, gdtype, k):
     basis = orthonormal_basis(SHAPES, k, device) if k else [torch.zeros(0, *s, device=device) for s in SHAPES]
     grads = rand_list(SHAPES, device, gdtype)
@@ -46,6 +47,157 @@ def test_coeffs_and_apply_match_reference(device, gdtype, k):
     if gdtype == torch.float32 and k:  # projected gradients are orthogonal to the basis
         residual = reference.null_space_coeffs(basis, grads).norm()
         assert residual <= 1e-6 * flat(want).norm() * 10 + 1e-6 * want_c.norm()
+
+
+GDTYPES = [torch.float32, torch.bfloat16, torch.float16]
+QDTYPES = [torch.float32, torch.bfloat16]
+# Sizes across the 8192-element chunks, with odd tails and counts that are not a multiple of 8
+# (the CUDA kernels' scalar path) next to ones that are (the vector path).
+EXACT_SHAPES = [(8192 * 2 + 5,), (13,), (8192,), (4, 6), (1,)]
+
+
+def views(shapes, device, dtype, period, shift, lead=(), offset=0):
+    """Integer-valued contiguous tensors of shape lead + s that start `shift` elements into a buffer."""
+    out = []
+    for s in shapes:
+        n = math.prod(lead) * math.prod(s)
+        out.append(integer_valued(n + shift, device, dtype, period, offset)[shift:].view(*lead, *s))
+    return out
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("gdtype", GDTYPES)
+@pytest.mark.parametrize("k,shift", [(1, 0), (2, 1), (3, 3), (9, 1)])
+def test_exact_integers_every_dtype_pair_and_unaligned_views(device, qdtype, gdtype, k, shift):
+    # Integer values give exact coefficients and an exact projection in every dtype, so a dropped,
+    # doubled or misplaced element (chunk edges, vector tails, misaligned views) fails torch.equal.
+    basis = views(EXACT_SHAPES, device, qdtype, 3, shift, lead=(k,))
+    grads = views(EXACT_SHAPES, device, gdtype, 9, shift, offset=1)
+    assert all(g.is_contiguous() and q.is_contiguous() for q, g in zip(basis, grads))
+    c = null_space_coeffs(basis, grads)
+    assert torch.equal(c.cpu(), reference.null_space_coeffs(basis, grads))
+    coeffs = torch.tensor([(j % 3) - 1.0 for j in range(k)], dtype=torch.float64, device=device)
+    want = reference.null_space_project(basis, grads, coeffs)
+    assert max(w.abs().max() for w in want) <= 256  # exactly representable in bfloat16
+    null_space_apply_(basis, grads, coeffs)
+    assert all(g.dtype == gdtype for g in grads)
+    assert torch.equal(flat(grads), torch.cat([w.reshape(-1) for w in want]))
+
+
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_mixed_dtype_lists(device, shift):
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(int(n),) for n in torch.randint(1, 9000, (12,), generator=gen)]
+    k = 5
+    basis = [q.to(QDTYPES[i % 2]) for i, q in enumerate(orthonormal_basis(shapes, k, device))]
+    grads = [torch.randn(s[0] + shift, device=device).to(GDTYPES[i % 3])[shift:] for i, s in enumerate(shapes)]
+    c = null_space_coeffs(basis, grads)
+    scale = flat(grads).norm().item()
+    torch.testing.assert_close(c.cpu(), reference.null_space_coeffs(basis, grads), rtol=0, atol=1e-5 * scale)
+    want = reference.null_space_project(basis, grads, c)
+    null_space_apply_(basis, grads, c)
+    # bfloat16/float16 grads are rounded once on the way out: half an ulp of their largest value.
+    err = (flat(grads) - torch.cat([w.reshape(-1) for w in want])).abs().max()
+    assert err <= 2**-8 * torch.cat([w.reshape(-1) for w in want]).abs().max()
+
+
+@pytest.mark.parametrize("adtype,bdtype", [(a, b) for a in GDTYPES for b in GDTYPES])
+@pytest.mark.parametrize("conflict,shift", [(False, 1), (True, 1), (False, 3), (True, 3)])
+def test_conflict_correct_exact_in_every_dtype_pair(device, adtype, bdtype, conflict, shift):
+    # b integer-valued, on views x[shift:]; a = -2b (a conflict: coefficient -2, result lam·b) or
+    # a = b's values (no conflict: a + lam·b). Both exact in every dtype.
+    b = views(EXACT_SHAPES, device, bdtype, 7, shift)
+    a = views(EXACT_SHAPES, device, adtype, 7, shift)
+    if conflict:
+        for x, y in zip(a, b):
+            x.copy_(-2 * y.float())
+    want, coef = reference.conflict_correct(a, b, lam=3.0, eps=1e-6)
+    assert coef == (-2.0 if conflict else 0.0)
+    stats = conflict_correct_(a, b, lam=3.0, eps=1e-6)
+    assert stats[3].item() == coef and all(x.dtype == adtype for x in a)
+    assert torch.equal(flat(a), torch.cat([w.reshape(-1) for w in want]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_conflict_correct_low_precision_matches_reference(device, dtype):
+    a = rand_list(SHAPES, device, dtype)
+    b = [(-x.float() + 0.3 * torch.randn_like(x.float())).to(dtype) for x in a]
+    want, coef = reference.conflict_correct(a, b, lam=0.7, eps=1e-6)
+    stats = conflict_correct_(a, b, lam=0.7, eps=1e-6)
+    assert coef != 0 and stats[3].item() == pytest.approx(coef, rel=1e-5)
+    ref = torch.cat([w.reshape(-1) for w in want])
+    assert (flat(a) - ref).abs().max() <= 2 * torch.finfo(dtype).eps * ref.abs().max()
+
+
+def test_all_empty_gradients(device):
+    shapes = [(0,), (0, 3), (0,)]
+    basis = [torch.zeros(4, *s, device=device) for s in shapes]
+    grads = [torch.zeros(s, device=device) for s in shapes]
+    c = null_space_coeffs(basis, grads)
+    assert c.tolist() == [0.0] * 4
+    null_space_apply_(basis, grads, torch.ones(4, dtype=torch.float64, device=device))
+    stats = conflict_correct_(grads, [torch.zeros(s, device=device) for s in shapes])
+    assert stats.tolist() == [0.0] * 4
+
+
+@cuda_only
+def test_k_above_the_shared_memory_limit():
+    # The CUDA apply kernel once kept k float32 coefficients in dynamic shared memory, so a k
+    # above the per-block limit failed at launch. They now live in registers, a few at a time:
+    # any k works and matches the CPU reference.
+    props = torch.cuda.get_device_properties(0)
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 48 * 1024)
+    k = limit // 4 + 1
+    shapes = [(3,), (2, 2), (0,)]
+    basis = [torch.randn(k, *s, device="cuda") / k**0.5 for s in shapes]
+    grads = rand_list(shapes, "cuda")
+    c = null_space_coeffs(basis, grads)
+    want_c = reference.null_space_coeffs(basis, grads)
+    torch.testing.assert_close(c.cpu(), want_c, rtol=1e-5, atol=1e-5)
+    want = reference.null_space_project(basis, grads, c)
+    null_space_apply_(basis, grads, c)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(flat(grads), torch.cat([w.reshape(-1) for w in want]), rtol=1e-4, atol=1e-4)
+
+
+@cuda_only
+def test_cuda_graph_capture_of_the_projection():
+    # The ops allocate no metadata and do not synchronise: coeffs + apply can be captured, and a
+    # replay projects the gradients' current values.
+    basis, grads = orthonormal_basis(SHAPES, 5, "cuda"), rand_list(SHAPES, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        null_space_apply_(basis, grads, null_space_coeffs(basis, grads))  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        null_space_apply_(basis, grads, null_space_coeffs(basis, grads))
+    fresh = rand_list(SHAPES, "cuda")
+    for g, f in zip(grads, fresh):
+        g.copy_(f)
+    want = reference.null_space_project(basis, fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(flat(grads), torch.cat([w.reshape(-1) for w in want]), rtol=1e-5, atol=1e-5)
+
+
+@cuda_only
+@pytest.mark.parametrize("k", [1, 8, 33])
+def test_cpu_and_cuda_agree(k):
+    # Same float32 chunk partials (8192 elements), reduced in float64 in the same order; only the
+    # order inside a chunk differs: |c_cpu - c_cuda| <= 1e-5 * Σ|q_j ⊙ g| per coefficient, and the
+    # projected gradients within 1e-5 of the largest |g|.
+    shapes = [(1000, 33), (8192 * 3 + 1,), (7,)]
+    basis, grads = orthonormal_basis(shapes, k, "cpu"), rand_list(shapes, "cpu")
+    c_cpu = null_space_coeffs(basis, grads)
+    c_cuda = null_space_coeffs([q.cuda() for q in basis], [g.cuda() for g in grads]).cpu()
+    abs_sum = sum((q.double().abs().reshape(k, -1) @ g.double().abs().reshape(-1)) for q, g in zip(basis, grads))
+    assert ((c_cpu - c_cuda).abs() <= 1e-5 * abs_sum).all()
+    g_cuda = [g.cuda() for g in grads]
+    null_space_apply_([q.cuda() for q in basis], g_cuda, c_cpu.cuda())
+    null_space_apply_(basis, grads, c_cpu)
+    assert (flat(grads) - flat(g_cuda)).abs().max() <= 1e-5 * flat(grads).abs().max()
 
 
 def test_many_tensors(device):
@@ -96,6 +248,7 @@ def test_opcheck(device):
     (lambda q, g: null_space_coeffs([q[0], q[1][:1]] + q[2:], g), ValueError, r"basis\[1\] has shape"),
     (lambda q, g: null_space_coeffs(q, g[:1] + [g[1].double()] + g[2:]), TypeError, r"grads\[1\] has dtype"),
     (lambda q, g: null_space_coeffs([q[0].half()] + q[1:], g), TypeError, r"basis\[0\] has dtype"),
+    (lambda q, g: null_space_coeffs([q[0], torch.tensor(1.0)] + q[2:], g), ValueError, r"basis\[1\] has shape"),
     (lambda q, g: null_space_coeffs(q, g[:1] + [None] + g[2:]), ValueError, r"grads\[1\] is None"),
     (lambda q, g: null_space_coeffs(q, g[:1] + [g[1].to("meta")] + g[2:]), ValueError, r"grads\[1\] is on meta"),
     (lambda q, g: null_space_apply_(q, g, torch.zeros(3)), ValueError, "float64"),

@@ -5,6 +5,7 @@ import torch
 
 import adept_ext
 from adept_ext import reference
+from conftest import cuda_only, integer_valued
 from adept_ext.ops import taylor_importance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -99,12 +100,84 @@ def test_accumulate_adds_without_sync_and_out_overwrites(device):
     expected = torch.zeros(3, 2, dtype=torch.float64)
     batches = [make_pairs(sizes, device) for _ in range(4)]
     taylor_importance(*batches[0], out=out)  # accumulate=False overwrites the 123s
-    expected += reference.taylor_importance(*batches[0])
+    expected += reference.taylor_importance(*batches[0]).cpu()  # the reference stays on the inputs' device
     for params, grads in batches[1:]:
         result = taylor_importance(params, grads, out=out, accumulate=True)
         assert result is out
-        expected += reference.taylor_importance(params, grads)
+        expected += reference.taylor_importance(params, grads).cpu()
     torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=1e-4)
+
+
+PAIRS = [(p, g) for p in DTYPES for g in DTYPES]
+
+
+@pytest.mark.parametrize("pdtype,gdtype", PAIRS)
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_exact_integers_every_dtype_pair_and_unaligned_views(device, pdtype, gdtype, shift):
+    # Integer-valued products sum exactly in float32, so any dropped or doubled element (vector
+    # tails, chunk edges, the misaligned head of a view x[shift:]) changes the result.
+    sizes = [32768 * 2 + 13, 7, 32768, 1]
+    params = [integer_valued(n + shift, device, pdtype, 5)[shift:] for n in sizes]
+    grads = [integer_valued(n + shift, device, gdtype, 7, offset=2)[shift:] for n in sizes]
+    assert all(p.is_contiguous() for p in params)
+    exact = reference.taylor_importance(params, grads).cpu()
+    assert exact[:, 1].max() < 2**24 and exact[0, 1] > 0
+    assert torch.equal(taylor_importance(params, grads).double().cpu(), exact)
+
+
+def test_all_empty_gradients(device):
+    params, grads = make_pairs([0, (0, 5), 0], device)
+    assert taylor_importance(params, grads).tolist() == [[0.0, 0.0]] * 3
+    out = torch.full((3, 2), 2.5, device=device)
+    taylor_importance(params, grads, out=out, accumulate=True)
+    assert out.tolist() == [[2.5, 2.5]] * 3
+    taylor_importance(params, grads, out=out)
+    assert out.tolist() == [[0.0, 0.0]] * 3
+
+
+def test_more_tensors_than_one_launch_holds(device):
+    # The CUDA kernel takes at most 96 tensors of one dtype pair per launch: 250 same-dtype tensors
+    # need three launches, each of whose rows must land in its own place.
+    params = [torch.full((i % 13 + 1,), float(i + 1), device=device) for i in range(250)]
+    grads = [torch.ones_like(p) for p in params]
+    want = torch.tensor([[float((i + 1) * (i % 13 + 1))] * 2 for i in range(250)])
+    assert torch.equal(taylor_importance(params, grads).cpu(), want)
+
+
+@cuda_only
+@pytest.mark.parametrize("pdtype,gdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_cpu_and_cuda_agree(pdtype, gdtype):
+    # Both accumulate float32 within the same 32768-element chunks and float64 across them, in a
+    # different order inside a chunk: |cpu - cuda| <= 1e-5 * Σ|θg| per row.
+    params, grads = make_pairs([100_003, 32768, 5, 0, 4097], "cpu", pdtype, gdtype)
+    cpu = taylor_importance(params, grads).double()
+    cuda = taylor_importance([p.cuda() for p in params], [g.cuda() for g in grads]).double().cpu()
+    bound = 1e-5 * reference.taylor_importance(params, grads)[:, 1:2] + 1e-30
+    assert ((cpu - cuda).abs() <= bound).all(), (cpu, cuda)
+
+
+@cuda_only
+def test_cuda_graph_capture_and_replay():
+    # No per-call allocation of metadata or host-to-device copy: the op can be captured, and a
+    # replay reads the tensors' current values.
+    params, grads = make_pairs([70_001, 3, 0, 40], "cuda", torch.bfloat16, torch.float32)
+    out = torch.zeros(4, 2, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        taylor_importance(params, grads, out=out)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        taylor_importance(params, grads, out=out, accumulate=True)
+    for g in grads:
+        g.mul_(2)
+    out.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = 2 * reference.taylor_importance(params, grads).cpu()
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-3)
 
 
 def test_bit_identical_repeats_and_thread_counts(device):
@@ -164,7 +237,7 @@ def test_torch_compile_fullgraph(device):
         return sums[:, 1] / sums[:, 1].sum()
 
     got = normalized_abs_importance(params, grads)
-    exact = reference.taylor_importance(params, grads)[:, 1]
+    exact = reference.taylor_importance(params, grads)[:, 1].cpu()
     torch.testing.assert_close(got.double().cpu(), exact / exact.sum(), rtol=1e-5, atol=1e-7)
 
 

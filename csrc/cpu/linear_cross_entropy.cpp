@@ -22,8 +22,12 @@ float row_logsumexp(const T* x, int64_t v) {
     for (j = W; j + W <= v; j += W) m = at::vec::maximum(m, load_float(x + j));
     mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
   }
-  for (int64_t k = j; k < v; ++k) mx = std::max(mx, static_cast<float>(x[k]));
-  if (std::isinf(mx)) return mx;  // all -inf (or +inf present): logsumexp is that value
+  for (int64_t k = j; k < v; ++k) {
+    const float xk = static_cast<float>(x[k]);
+    mx = std::isnan(xk) ? xk : std::max(mx, xk);  // NaN propagates, as through the vector maximum
+  }
+  // A NaN, all -inf, or a +inf present: the logsumexp is that value (the CUDA twin gives the same).
+  if (!std::isfinite(mx)) return mx;
   const Vec vmx(mx);
   Vec s(0.f);
   for (j = 0; j + W <= v; j += W) s = s + (load_float(x + j) - vmx).exp();

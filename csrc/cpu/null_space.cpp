@@ -73,25 +73,6 @@ void axpy_chunk(float c, const T* x, float* acc, int64_t n) {
   axpy4_chunk(&c, rows, 1, acc, n);
 }
 
-// Calls fn(q_tag, g_tag) with typed null pointers for the dtypes of one (basis, grad) pair.
-template <typename Fn>
-void dispatch_pair(at::ScalarType tq, at::ScalarType tg, Fn fn) {
-  auto with_g = [&](auto q) {
-    switch (tg) {
-      case at::kFloat: return fn(q, static_cast<float*>(nullptr));
-      case at::kBFloat16: return fn(q, static_cast<at::BFloat16*>(nullptr));
-      case at::kHalf: return fn(q, static_cast<at::Half*>(nullptr));
-      default: TORCH_CHECK(false, "null_space: unsupported dtype ", tg);
-    }
-  };
-  switch (tq) {
-    case at::kFloat: return with_g(static_cast<float*>(nullptr));
-    case at::kBFloat16: return with_g(static_cast<at::BFloat16*>(nullptr));
-    case at::kHalf: return with_g(static_cast<at::Half*>(nullptr));
-    default: TORCH_CHECK(false, "null_space: unsupported dtype ", tq);
-  }
-}
-
 // The (tensor, kProjChunk-element chunk) work items of a pass over two tensor lists; numels are
 // those of the second list (the basis rows of the first list have that length too).
 struct Chunks {

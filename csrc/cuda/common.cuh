@@ -8,21 +8,22 @@ namespace adept_ext {
 
 constexpr int kWarp = 32;
 
-// Element types of the multi-tensor kernels, passed to the device in per-tensor metadata.
-enum DtypeCode : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-inline int64_t dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kBFloat16: return kBF16;
-    case at::kHalf: return kF16;
-    default: TORCH_CHECK(false, "adept_ext: unsupported dtype ", t);
-  }
-}
-
+// Element conversions of the kernels; the multi-tensor kernels use ATen's element types
+// (dispatched on the host by dispatch_pair), linear_cross_entropy CUDA's own.
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(at::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x) { return static_cast<T>(x); }
+
+// N elements loaded or stored as one access of N * sizeof(T) bytes (the pointer must be so aligned).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
 
 // Deterministic block-wide reduction of a pair (a, b) with combine(a, b, a2, b2), which merges
 // (a2, b2) into (a, b): a fixed shuffle tree inside each warp, then the warps in a fixed order.
@@ -57,6 +58,27 @@ __device__ void block_sum2(T& a, T& b) {
     x += x2;
     y += y2;
   });
+}
+
+// Block-wide sums of J float32 values per thread, the first `count` written to out[0, count) (a
+// fixed shuffle tree in each warp, then the warps in order: deterministic). Every thread must
+// call it; out is written by threads 0..count-1. J <= blockDim.x and blockDim.x / 32 <= kWarp.
+template <int J>
+__device__ void block_sum_to(float (&v)[J], float* out, int count) {
+  __shared__ float s[kWarp][J];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int r = 0; r < J; ++r) {
+    for (int off = kWarp / 2; off > 0; off /= 2) v[r] += __shfl_down_sync(0xffffffffu, v[r], off);
+    if (lane == 0) s[warp][r] = v[r];
+  }
+  __syncthreads();
+  if (threadIdx.x < count) {
+    float total = 0.f;
+    for (int w = 0; w < static_cast<int>(blockDim.x / kWarp); ++w) total += s[w][threadIdx.x];
+    out[threadIdx.x] = total;
+  }
+  __syncthreads();  // s may be reused by the caller's next call
 }
 
 }  // namespace adept_ext

@@ -19,12 +19,38 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Merge two (max, sum of exp(x - max)) states.
+// Online logsumexp state (m, s): m = the largest logit seen, s = Σ exp(x - m). The CPU twin
+// (csrc/cpu/linear_cross_entropy.cpp) returns a NaN if any logit is NaN, else the max when it is
+// infinite (all -inf: -inf; a +inf: +inf), else m + log(s). Here infinities are kept out of the
+// arithmetic (inf - inf would be NaN) and a NaN sticks in s.
+
+// Adds one logit x to the state.
+__device__ __forceinline__ void add_logit(float& m, float& s, float x) {
+  if (isnan(x)) {
+    s = x;
+  } else if (x > m) {  // x > -inf; exp(m - x) is 0 when m = -inf or x = +inf (and a NaN s stays NaN)
+    s = s * expf(m - x) + 1.f;
+    m = x;
+  } else if (x != -INFINITY && m != INFINITY) {  // exp(-inf) adds 0; after a +inf nothing else counts
+    s += expf(x - m);
+  }
+}
+
+// Merges the state (m2, s2) into (m, s).
 __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
   const float mx = fmaxf(m, m2);
-  if (mx == -INFINITY) return;  // both empty
-  s = s * expf(m - mx) + s2 * expf(m2 - mx);
+  if (mx == -INFINITY) {
+    s += s2;  // 0, or NaN
+  } else if (mx == INFINITY) {
+    s = (isnan(s) || isnan(s2)) ? NAN : 1.f;
+  } else {
+    s = s * expf(m - mx) + s2 * expf(m2 - mx);
+  }
   m = mx;
+}
+
+__device__ __forceinline__ float logsumexp_of(float m, float s) {
+  return isnan(s) ? s : (isinf(m) ? m : m + logf(s));
 }
 
 template <typename T>
@@ -41,17 +67,10 @@ __global__ void __launch_bounds__(kThreads)
   const T* row = logits + r * v;
   float m = -INFINITY, s = 0.f;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-    const float x = to_float(row[j]);
-    if (x == -INFINITY) continue;  // contributes exp(-inf) = 0
-    if (x > m) {
-      s = s * expf(m - x) + 1.f;
-      m = x;
-    } else {
-      s += expf(x - m);
-    }
+    add_logit(m, s, to_float(row[j]));
   }
   block_reduce_pair(m, s, -INFINITY, 0.f, [](float& m1, float& s1, float m2, float s2) { merge(m1, s1, m2, s2); });
-  if (threadIdx.x == 0) loss[r] = m + logf(s) - to_float(row[t]);
+  if (threadIdx.x == 0) loss[r] = logsumexp_of(m, s) - to_float(row[t]);
 }
 
 void row_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets, int64_t ignore_index,

@@ -1,9 +1,16 @@
-// CUDA kernels of the null-space projection (SPEC §2), one launch per pass over all tensors:
-//  coeffs: one block per (tensor, chunk) work item; warp w computes the chunk's dot products
-//          with basis rows w, w+8, ...; float32 partials [chunks, k], then a fixed-order float64
-//          reduction per basis row (no atomics);
-//  apply:  one block per work item; each thread accumulates Σ_j c_j·Q[j, e] for its elements
-//          and subtracts it from g in place;
+// CUDA kernels of the null-space projection (SPEC §2). Launches run per group of at most
+// kListMax tensors of one dtype pair (tensor_list.cuh: metadata passed by value, dtypes
+// dispatched on the host, no allocation or copy of metadata, safe under CUDA-graph capture).
+// One block per (tensor, kProjChunk-element chunk) work item; thread x owns the elements
+// (it * kThreads + x) * V + [0, V) of its chunk, it < kIters, read as one V-element access when
+// the tensors are aligned (V = 4) and one by one otherwise (V = 1):
+//  coeffs: the thread keeps its grad elements in registers and accumulates the dot products with
+//          kRows basis rows at a time; block sums go to float32 partials [chunks, k] (chunks
+//          numbered over the whole list), then a fixed-order float64 reduction per basis row
+//          (no atomics);
+//  apply:  the thread accumulates Σ_j c_j·Q[j, e] for its elements in registers, kRows
+//          coefficients at a time (held in registers: no shared memory, so no limit on k), and
+//          subtracts it from g in place;
 //  conflict correction: chunk partials of (<a,b>, |b|², |a|²) → float64 stats on the device →
 //          an update kernel that reads the stats and decides the branch on the device.
 #include <ATen/ATen.h>
@@ -13,98 +20,103 @@
 #include <torch/library.h>
 
 #include "common.cuh"
+#include "tensor_list.cuh"
 #include "../null_space.h"
 
 namespace adept_ext {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / kWarp;
+constexpr int kRows = 8;  // basis rows (coefficients) per register tile
+constexpr int kVec = 4;   // elements per access on the aligned path
+// Aligned path: 16-byte aligned base pointers and numel a multiple of 8, so that every basis row
+// (at j * numel) of a 2-byte type also starts 16-byte aligned.
+constexpr int64_t kAlignNumel = 8;
 
-// Per-tensor metadata in one int64 buffer: [ptr_a x n | ptr_b x n | numel x n | code x n | first x (n+1)],
-// code = dtype(a) | dtype(b) << 4.
-struct Meta {
-  const int64_t* base;
-  int64_t n;
-  __device__ const void* a(int64_t i) const { return reinterpret_cast<const void*>(base[i]); }
-  __device__ const void* b(int64_t i) const { return reinterpret_cast<const void*>(base[n + i]); }
-  __device__ int64_t numel(int64_t i) const { return base[2 * n + i]; }
-  __device__ int64_t code(int64_t i) const { return base[3 * n + i]; }
-  __device__ int64_t first(int64_t i) const { return base[4 * n + i]; }
-  // The tensor owning chunk c (tensors without elements own no chunk).
-  __device__ int64_t owner(int64_t c) const {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (first(mid) <= c) lo = mid; else hi = mid - 1;
-    }
-    return lo;
+// The elements [s, s + n) of tensor t of block blockIdx.x.
+struct Span {
+  int t;
+  int64_t chunk, s, n;
+  __device__ explicit Span(const ListMeta& meta) {
+    t = meta.owner(blockIdx.x);
+    chunk = meta.chunk0[t] + (blockIdx.x - meta.block0[t]);
+    s = (blockIdx.x - meta.block0[t]) * kProjChunk;
+    n = min(kProjChunk, meta.numel[t] - s);
   }
 };
 
-struct Launch {
-  at::Tensor meta_dev;
-  Meta meta;
-  int64_t chunks;
-};
-
-Launch make_meta(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const std::vector<int64_t>& numels) {
-  const int64_t n = static_cast<int64_t>(a.size());
-  const auto first = chunk_offsets(numels, kProjChunk);
-  auto host = at::empty({5 * n + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* h = host.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    h[i] = reinterpret_cast<int64_t>(a[i].const_data_ptr());
-    h[n + i] = reinterpret_cast<int64_t>(b[i].const_data_ptr());
-    h[2 * n + i] = numels[i];
-    h[3 * n + i] = dtype_code(a[i].scalar_type()) | (dtype_code(b[i].scalar_type()) << 4);
-  }
-  std::copy(first.begin(), first.end(), h + 4 * n);
-  Launch l;
-  l.meta_dev = host.to(a[0].device(), /*non_blocking=*/true);  // host memory kept alive by the caching allocator
-  l.meta = Meta{l.meta_dev.const_data_ptr<int64_t>(), n};
-  l.chunks = first.back();
-  TORCH_CHECK(l.chunks < (int64_t{1} << 31), "null_space: too many chunks for one launch");
-  return l;
+// Loads x[e, e + V) as float (one access of V elements).
+template <int V, typename T>
+__device__ __forceinline__ void load_vec(const T* x, int64_t e, float (&out)[V]) {
+  const Pack<T, V> p = *reinterpret_cast<const Pack<T, V>*>(x + e);
+#pragma unroll
+  for (int v = 0; v < V; ++v) out[v] = to_float(p.v[v]);
 }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+template <int V, typename T>
+__device__ __forceinline__ void store_vec(T* x, int64_t e, const float (&in)[V]) {
+  Pack<T, V> p;
+#pragma unroll
+  for (int v = 0; v < V; ++v) p.v[v] = from_float<T>(in[v]);
+  *reinterpret_cast<Pack<T, V>*>(x + e) = p;
+}
 
-// Calls fn(a_ptr, b_ptr) with the element types of code (a | b << 4).
-template <typename Fn>
-__device__ void dispatch_code(int64_t code, const void* a, const void* b, Fn fn) {
-  auto with_b = [&](auto* ta) {
-    switch ((code >> 4) & 0xf) {
-      case kF32: fn(ta, static_cast<const float*>(b)); break;
-      case kBF16: fn(ta, static_cast<const __nv_bfloat16*>(b)); break;
-      default: fn(ta, static_cast<const __half*>(b)); break;
-    }
-  };
-  switch (code & 0xf) {
-    case kF32: with_b(static_cast<const float*>(a)); break;
-    case kBF16: with_b(static_cast<const __nv_bfloat16*>(a)); break;
-    default: with_b(static_cast<const __half*>(a)); break;
+// Runs body.template operator()<V>() with V = kVec for an aligned tensor and V = 1 otherwise.
+template <typename Body>
+__device__ __forceinline__ void with_width(bool aligned, Body body) {
+  if (aligned) body(std::integral_constant<int, kVec>{});
+  else body(std::integral_constant<int, 1>{});
+}
+
+template <int V>
+constexpr int iters() { return static_cast<int>(kProjChunk / (kThreads * V)); }
+static_assert(kProjChunk % (kThreads * kVec) == 0, "a chunk must be whole vectors of every thread");
+
+// Offset of the thread's it-th group of V elements in its chunk.
+template <int V>
+__device__ __forceinline__ int64_t elem(int it) { return (static_cast<int64_t>(it) * kThreads + threadIdx.x) * V; }
+
+// Calls fn(it, e, x) for each group `it` of V elements that the thread owns in its chunk, at offset
+// e < n of the chunk, with x = p[e, e + V) as float (the loop is unrolled: `it` is a constant).
+template <int V, typename T, typename Fn>
+__device__ __forceinline__ void for_each_group(const T* p, int64_t n, Fn fn) {
+#pragma unroll
+  for (int it = 0; it < iters<V>(); ++it) {
+    const int64_t e = elem<V>(it);
+    if (e >= n) break;
+    float x[V];
+    load_vec<V>(p, e, x);
+    fn(it, e, x);
   }
 }
 
-__global__ void __launch_bounds__(kThreads) coeffs_partial_kernel(Meta meta, int64_t k, float* __restrict__ partial) {
-  const int64_t c = blockIdx.x, i = meta.owner(c), numel = meta.numel(i);
-  const int64_t s = (c - meta.first(i)) * kProjChunk, n = min(kProjChunk, numel - s);
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  dispatch_code(meta.code(i), meta.a(i), meta.b(i), [&](const auto* q, const auto* g) {
-    for (int64_t j = warp; j < k; j += kWarps) {
-      const auto* row = q + j * numel + s;
-      float acc = 0.f;
-      for (int64_t e = lane; e < n; e += kWarp) acc += to_float(row[e]) * to_float(g[s + e]);
-      for (int off = kWarp / 2; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
-      if (lane == 0) partial[c * k + j] = acc;
+// a = the basis, b = the grads.
+template <typename TQ, typename TG>
+__global__ void __launch_bounds__(kThreads) coeffs_partial_kernel(const __grid_constant__ ListMeta meta, int64_t k,
+                                                                  float* __restrict__ partial) {
+  const Span sp(meta);
+  const auto* q = static_cast<const TQ*>(meta.a[sp.t]);
+  const auto* g = static_cast<const TG*>(meta.b[sp.t]) + sp.s;
+  const int64_t numel = meta.numel[sp.t];
+  with_width(meta.aligned[sp.t] != 0, [&](auto width) {
+    constexpr int V = decltype(width)::value;
+    float gv[iters<V>()][V] = {};  // the thread's grad elements, read once for all basis rows
+    for_each_group<V>(g, sp.n, [&](int it, int64_t, const float(&x)[V]) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) gv[it][v] = x[v];
+    });
+    for (int64_t j0 = 0; j0 < k; j0 += kRows) {
+      float acc[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        acc[r] = 0.f;
+        if (j0 + r >= k) continue;
+        for_each_group<V>(q + (j0 + r) * numel + sp.s, sp.n, [&](int it, int64_t, const float(&x)[V]) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[r] += x[v] * gv[it][v];
+        });
+      }
+      block_sum_to(acc, partial + sp.chunk * k + j0, static_cast<int>(k - j0 < kRows ? k - j0 : kRows));
     }
   });
 }
@@ -119,64 +131,87 @@ __global__ void __launch_bounds__(kThreads) reduce_columns_kernel(const float* _
   if (threadIdx.x == 0) out[j] = s;
 }
 
-__global__ void __launch_bounds__(kThreads) apply_kernel(Meta meta, int64_t k, const double* __restrict__ coeffs) {
-  extern __shared__ float coef[];
-  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) coef[j] = static_cast<float>(coeffs[j]);
-  __syncthreads();
-  const int64_t c = blockIdx.x, i = meta.owner(c), numel = meta.numel(i);
-  const int64_t s = (c - meta.first(i)) * kProjChunk, n = min(kProjChunk, numel - s);
-  // a = the gradient (written), b = the basis.
-  dispatch_code(meta.code(i), meta.a(i), meta.b(i), [&](const auto* g_const, const auto* q) {
-    using TG = std::remove_const_t<std::remove_pointer_t<decltype(g_const)>>;
-    TG* g = const_cast<TG*>(g_const);
-    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
-      float acc = 0.f;
-      for (int64_t j = 0; j < k; ++j) acc += coef[j] * to_float(q[j * numel + s + e]);
-      g[s + e] = from_float<TG>(to_float(g[s + e]) - acc);
+// a = the grads (written), b = the basis.
+template <typename TG, typename TQ>
+__global__ void __launch_bounds__(kThreads) apply_kernel(const __grid_constant__ ListMeta meta, int64_t k,
+                                                         const double* __restrict__ coeffs) {
+  const Span sp(meta);
+  auto* g = const_cast<TG*>(static_cast<const TG*>(meta.a[sp.t])) + sp.s;
+  const auto* q = static_cast<const TQ*>(meta.b[sp.t]);
+  const int64_t numel = meta.numel[sp.t];
+  with_width(meta.aligned[sp.t] != 0, [&](auto width) {
+    constexpr int V = decltype(width)::value;
+    float acc[iters<V>()][V] = {};  // Σ_j c_j·Q[j, e] for the thread's elements
+    for (int64_t j0 = 0; j0 < k; j0 += kRows) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (j0 + r >= k) break;
+        const float c = static_cast<float>(coeffs[j0 + r]);
+        for_each_group<V>(q + (j0 + r) * numel + sp.s, sp.n, [&](int it, int64_t, const float(&x)[V]) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[it][v] += c * x[v];
+        });
+      }
     }
+    for_each_group<V>(g, sp.n, [&](int it, int64_t e, const float(&x)[V]) {
+      float out[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) out[v] = x[v] - acc[it][v];
+      store_vec<V>(g, e, out);
+    });
   });
 }
 
-__global__ void __launch_bounds__(kThreads) conflict_partial_kernel(Meta meta, float* __restrict__ partial) {
-  const int64_t c = blockIdx.x, i = meta.owner(c);
-  const int64_t s = (c - meta.first(i)) * kProjChunk, n = min(kProjChunk, meta.numel(i) - s);
-  float ab = 0.f, bb = 0.f, aa = 0.f;
-  dispatch_code(meta.code(i), meta.a(i), meta.b(i), [&](const auto* a, const auto* b) {
-    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
-      const float x = to_float(a[s + e]), y = to_float(b[s + e]);
-      ab += x * y;
-      bb += y * y;
-      aa += x * x;
-    }
+// a = g_new, b = g_pre.
+template <typename TA, typename TB>
+__global__ void __launch_bounds__(kThreads) conflict_partial_kernel(const __grid_constant__ ListMeta meta,
+                                                                    float* __restrict__ partial) {
+  const Span sp(meta);
+  const auto* a = static_cast<const TA*>(meta.a[sp.t]) + sp.s;
+  const auto* b = static_cast<const TB*>(meta.b[sp.t]) + sp.s;
+  float acc[3] = {0.f, 0.f, 0.f};  // <a, b>, |b|², |a|²
+  with_width(meta.aligned[sp.t] != 0, [&](auto width) {
+    constexpr int V = decltype(width)::value;
+    for_each_group<V>(a, sp.n, [&](int, int64_t e, const float(&x)[V]) {
+      float y[V];
+      load_vec<V>(b, e, y);
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        acc[0] += x[v] * y[v];
+        acc[1] += y[v] * y[v];
+        acc[2] += x[v] * x[v];
+      }
+    });
   });
-  block_sum2(ab, bb);
-  __syncthreads();
-  float unused = 0.f;
-  block_sum2(aa, unused);
-  if (threadIdx.x == 0) {
-    partial[3 * c] = ab;
-    partial[3 * c + 1] = bb;
-    partial[3 * c + 2] = aa;
-  }
+  block_sum_to(acc, partial + 3 * sp.chunk, 3);
 }
 
 __global__ void finish_stats_kernel(double* stats, double eps) {
   stats[3] = conflict_coefficient(stats[0], stats[1], stats[2], eps);
 }
 
-__global__ void __launch_bounds__(kThreads) conflict_update_kernel(Meta meta, const double* __restrict__ stats, double lam) {
+template <typename TA, typename TB>
+__global__ void __launch_bounds__(kThreads) conflict_update_kernel(const __grid_constant__ ListMeta meta,
+                                                                   const double* __restrict__ stats, double lam) {
   const float scale = static_cast<float>(lam - stats[3]);
-  const int64_t c = blockIdx.x, i = meta.owner(c);
-  const int64_t s = (c - meta.first(i)) * kProjChunk, n = min(kProjChunk, meta.numel(i) - s);
-  dispatch_code(meta.code(i), meta.a(i), meta.b(i), [&](const auto* a_const, const auto* b) {
-    using TA = std::remove_const_t<std::remove_pointer_t<decltype(a_const)>>;
-    TA* a = const_cast<TA*>(a_const);
-    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) a[s + e] = from_float<TA>(to_float(a[s + e]) + scale * to_float(b[s + e]));
+  const Span sp(meta);
+  auto* a = const_cast<TA*>(static_cast<const TA*>(meta.a[sp.t])) + sp.s;
+  const auto* b = static_cast<const TB*>(meta.b[sp.t]) + sp.s;
+  with_width(meta.aligned[sp.t] != 0, [&](auto width) {
+    constexpr int V = decltype(width)::value;
+    for_each_group<V>(a, sp.n, [&](int, int64_t e, const float(&x)[V]) {
+      float y[V];
+      load_vec<V>(b, e, y);
+#pragma unroll
+      for (int v = 0; v < V; ++v) y[v] = x[v] + scale * y[v];
+      store_vec<V>(a, e, y);
+    });
   });
 }
 
 std::vector<int64_t> numels_checked(at::TensorList ts, const char* what) {
   std::vector<int64_t> n;
+  n.reserve(ts.size());
   for (const auto& t : ts) {
     TORCH_CHECK(t.is_contiguous(), what, " must be contiguous (updated in place)");
     n.push_back(t.numel());
@@ -184,18 +219,29 @@ std::vector<int64_t> numels_checked(at::TensorList ts, const char* what) {
   return n;
 }
 
+#define ADEPT_TYPES_OF(a_tag, b_tag)                   \
+  using TA = std::remove_pointer_t<decltype(a_tag)>; \
+  using TB = std::remove_pointer_t<decltype(b_tag)>
+
 at::Tensor null_space_coeffs_cuda(at::TensorList basis, at::TensorList grads) {
   const int64_t k = check_basis_args(basis, grads);
   const c10::cuda::CUDAGuard guard(grads[0].device());
   const auto q = contiguous_list(basis), g = contiguous_list(grads);
-  const auto l = make_meta(q, g, numels_of(g));
+  const auto numels = numels_of(g);
+  const int64_t chunks = chunk_offsets(numels, kProjChunk).back();
   auto out = at::zeros({k}, g[0].options().dtype(at::kDouble));
-  if (k == 0 || l.chunks == 0) return out;
+  if (k == 0 || chunks == 0) return out;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  auto partial = at::empty({l.chunks, k}, g[0].options().dtype(at::kFloat));
-  coeffs_partial_kernel<<<static_cast<unsigned>(l.chunks), kThreads, 0, stream>>>(l.meta, k, partial.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  reduce_columns_kernel<<<static_cast<unsigned>(k), kThreads, 0, stream>>>(partial.const_data_ptr<float>(), l.chunks, k,
+  auto partial = at::empty({chunks, k}, g[0].options().dtype(at::kFloat));
+  for_each_launch(q, g, numels, kProjChunk, kAlignNumel, [&](const ListMeta& meta, int64_t blocks, auto* q_tag,
+                                                               auto* g_tag) {
+    ADEPT_TYPES_OF(q_tag, g_tag);
+    if (blocks == 0) return;
+    coeffs_partial_kernel<TA, TB><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(meta, k,
+                                                                                       partial.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  reduce_columns_kernel<<<static_cast<unsigned>(k), kThreads, 0, stream>>>(partial.const_data_ptr<float>(), chunks, k,
                                                                           out.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -206,38 +252,59 @@ void null_space_apply_cuda(at::TensorList basis, at::TensorList grads, const at:
   check_coeffs(coeffs, k, grads[0].device());
   const c10::cuda::CUDAGuard guard(grads[0].device());
   const auto numels = numels_checked(grads, "null_space_apply_: grads");
+  if (k == 0) return;
   const auto q = contiguous_list(basis);
-  const auto l = make_meta(std::vector<at::Tensor>(grads.begin(), grads.end()), q, numels);
-  if (k == 0 || l.chunks == 0) return;
   const auto c = coeffs.contiguous();
-  apply_kernel<<<static_cast<unsigned>(l.chunks), kThreads, k * sizeof(float), c10::cuda::getCurrentCUDAStream()>>>(
-      l.meta, k, c.const_data_ptr<double>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  for_each_launch(std::vector<at::Tensor>(grads.begin(), grads.end()), q, numels, kProjChunk, kAlignNumel,
+                  [&](const ListMeta& meta, int64_t blocks, auto* g_tag, auto* q_tag) {
+                    ADEPT_TYPES_OF(g_tag, q_tag);
+                    if (blocks == 0) return;
+                    apply_kernel<TA, TB><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+                        meta, k, c.const_data_ptr<double>());
+                    C10_CUDA_KERNEL_LAUNCH_CHECK();
+                  });
 }
 
 at::Tensor conflict_correct_cuda(at::TensorList g_new, at::TensorList g_pre, double lam, double eps) {
   check_pair_lists(g_new, g_pre);
   const c10::cuda::CUDAGuard guard(g_new[0].device());
   const auto numels = numels_checked(g_new, "conflict_correct_: g_new");
-  const auto pre = contiguous_list(g_pre);
-  const auto l = make_meta(std::vector<at::Tensor>(g_new.begin(), g_new.end()), pre, numels);
+  const std::vector<at::Tensor> a(g_new.begin(), g_new.end());
+  const auto b = contiguous_list(g_pre);
+  const int64_t chunks = chunk_offsets(numels, kProjChunk).back();
   auto stats = at::zeros({4}, g_new[0].options().dtype(at::kDouble));
   auto stream = c10::cuda::getCurrentCUDAStream();
-  if (l.chunks > 0) {
-    auto partial = at::empty({l.chunks, 3}, g_new[0].options().dtype(at::kFloat));
-    conflict_partial_kernel<<<static_cast<unsigned>(l.chunks), kThreads, 0, stream>>>(l.meta, partial.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    reduce_columns_kernel<<<3, kThreads, 0, stream>>>(partial.const_data_ptr<float>(), l.chunks, 3, stats.data_ptr<double>());
+  if (chunks > 0) {
+    auto partial = at::empty({chunks, 3}, g_new[0].options().dtype(at::kFloat));
+    for_each_launch(a, b, numels, kProjChunk, kAlignNumel, [&](const ListMeta& meta, int64_t blocks, auto* a_tag,
+                                                               auto* b_tag) {
+      ADEPT_TYPES_OF(a_tag, b_tag);
+      if (blocks == 0) return;
+      conflict_partial_kernel<TA, TB><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          meta, partial.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    reduce_columns_kernel<<<3, kThreads, 0, stream>>>(partial.const_data_ptr<float>(), chunks, 3,
+                                                      stats.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   finish_stats_kernel<<<1, 1, 0, stream>>>(stats.data_ptr<double>(), eps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (l.chunks > 0) {
-    conflict_update_kernel<<<static_cast<unsigned>(l.chunks), kThreads, 0, stream>>>(l.meta, stats.const_data_ptr<double>(), lam);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (chunks > 0) {
+    for_each_launch(a, b, numels, kProjChunk, kAlignNumel, [&](const ListMeta& meta, int64_t blocks, auto* a_tag,
+                                                               auto* b_tag) {
+      ADEPT_TYPES_OF(a_tag, b_tag);
+      if (blocks == 0) return;
+      conflict_update_kernel<TA, TB><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          meta, stats.const_data_ptr<double>(), lam);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   }
   return stats;
 }
+
+#undef ADEPT_TYPES_OF
 
 }  // namespace
 
