@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import data
+from . import data, parallel
 from .methods import Context, create
 from .models import load_model
 from .report import plot_matrix, plot_series
@@ -93,9 +93,17 @@ class Evaluator:
 
 
 def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
-    """Learn `cfg.tasks` in order with `cfg.method`; returns the report (also written to `cfg.out`)."""
-    started = time.time()
+    """Learn `cfg.tasks` in order with `cfg.method`; returns the report (also written to `cfg.out`).
+    Under torchrun the ranks train with DistributedDataParallel and rank 0 writes (see `parallel`)."""
     device = _device(cfg)
+    with parallel.process_group(device):
+        main = parallel.is_main()
+        return _run(cfg, device, progress and main, log if main else parallel.quiet)
+
+
+def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
+    started = time.time()
+    main = parallel.is_main()
     bf16 = _use_bf16(cfg, device)
     out = check_out(cfg, "continual")
     method = create(cfg.method, cfg, sequence=True)
@@ -111,7 +119,8 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
     except (FileNotFoundError, ValueError) as e:
         raise RunError(str(e)) from e
     _check_memory(cfg, model, bf16)
-    out = prepare_out(cfg, "continual")
+    out = prepare_out(cfg, "continual") if main else out
+    parallel.barrier(device)
     general_probe = data.batches(data.first_blocks(g_train, cfg.probe_blocks), cfg.batch_size)
     evaluator = Evaluator(cfg, tasks, data.batches(data.first_blocks(g_held, cfg.eval_blocks), cfg.batch_size), device,
                           tokenizer.eos_token_id, progress)
@@ -132,15 +141,17 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
 
     for t in range(first, len(tasks)):
         task, t0 = tasks[t], time.time()
-        task_dir = out / f"task-{t + 1}-{task.name}"
-        task_dir.mkdir(exist_ok=True)
-        ctx = Context(general_probe, data.batches(data.first_blocks(blocks[t], cfg.probe_blocks), cfg.batch_size), progress,
-                      task_index=t, log=log)
+        task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
+        domain_probe = data.batches(data.first_blocks(blocks[t], cfg.probe_blocks), cfg.batch_size)
+        ctx = Context(general_probe, domain_probe, progress, task_index=t, log=log)
         setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
-        method.write_artifacts(task_dir)
+        if main:
+            task_dir.mkdir(exist_ok=True)
+            method.write_artifacts(task_dir)
         n_trainable = sum(p.numel() for p in setup.trainable)
         _check_memory(cfg, model, bf16, n_trainable)
         log(f"task {t + 1}/{len(tasks)} {task.name}: {setup.summary}; trainable {n_trainable / 1e6:.2f}M")
+        trained = parallel.wrap(model, device)
         optimizer, scheduler = optimizer_for(method, setup, cfg)
         task_history = {"train": []}
         step = 0
@@ -150,6 +161,8 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
             log(f"resumed task {task.name} at step {step}")
 
         def save_inside(done):
+            if not main:
+                return
             state = {"completed": t, "step": done, "layers": setup.layers, "rows": rows, "per_task": per_task,
                      "history": history, "task_history": task_history,
                      **training_state(model, method, optimizer, scheduler)}
@@ -164,7 +177,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
         batches = data.batches(method.train_blocks(blocks, t), cfg.batch_size)
         model.train()
         try:
-            train_steps(model, method, setup, optimizer, scheduler, batches, cfg, device, bf16, task_history, step,
+            train_steps(trained, method, setup, optimizer, scheduler, batches, cfg, device, bf16, task_history, step,
                         f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})", progress, after_step)
         except KeyboardInterrupt:
             save_inside(step)
@@ -181,20 +194,22 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
         history.append(task_history["train"])
         log(f"after {task.name}: scores {[round(s, 4) for s in rows[-1]['scores']]}, "
             f"general loss {rows[-1]['general_loss']:.4f}")
-        if t + 1 < len(tasks):
+        if t + 1 < len(tasks) and main:
             atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
             state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
                      "method": method.state_dict(), "rng": _rng_state()}
             atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
-    atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started)
-    write_report(report, out)
-    (out / CHECKPOINT).unlink(missing_ok=True)
-    shutil.rmtree(out / RESUME_MODEL, ignore_errors=True)
+    if main:
+        atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        write_report(report, out)
+        (out / CHECKPOINT).unlink(missing_ok=True)
+        shutil.rmtree(out / RESUME_MODEL, ignore_errors=True)
     m = report["metrics"]
     log(f"AA {m['AA']:.4f}, BWT {_fmt(m['BWT'])}, FWT {_fmt(m['FWT'])}, general forgetting "
         f"{report['general_forgetting']:+.4f}; report: {out / 'report.md'}")
+    parallel.barrier(device)  # every rank returns once rank 0 has written the run
     return report
 
 

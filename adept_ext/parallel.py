@@ -9,6 +9,7 @@ and unit importance shard their batches and all-reduce (probe.py, units.py); eva
 every rank (identical results, no collective); rank 0 alone writes files and logs.
 """
 import os
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -48,6 +49,22 @@ def init_from_env(device: torch.device) -> bool:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return True
+
+
+@contextmanager
+def process_group(device: torch.device):
+    """Inside: the torchrun process group joined (when launched with WORLD_SIZE > 1); left on exit
+    if this context created it."""
+    created = init_from_env(device)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def quiet(*args, **kwargs):
+    """A `log` that says nothing (ranks other than 0)."""
 
 
 def wrap(model, device: torch.device):

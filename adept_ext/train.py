@@ -324,17 +324,9 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     """All stages of a run; returns the report (also written to `cfg.out`). Under torchrun
     (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel and rank 0 writes."""
     device = _device(cfg)
-    created = parallel.init_from_env(device)
-    try:
+    with parallel.process_group(device):
         main = parallel.is_main()
-        return _run(cfg, device, progress and main, log if main else _quiet)
-    finally:
-        if created:
-            torch.distributed.destroy_process_group()
-
-
-def _quiet(*args, **kwargs):
-    pass
+        return _run(cfg, device, progress and main, log if main else parallel.quiet)
 
 
 def _run(cfg: RunConfig, device, progress, log) -> Dict:

@@ -148,17 +148,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_worker(rank, world, port, options, result_file):
+def _run_worker(rank, world, port, options, result_file, runner="train"):
     """One torchrun-like process: the environment torchrun sets, then the runner as the CLI calls it."""
+    import importlib
     import os
 
-    from adept_ext.train import config_from, run
-
+    module = importlib.import_module(f"adept_ext.{runner}")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    report = run(config_from(options), progress=False, log=lambda *a: None)
-    torch.save({"final": report["final"], "train": [h["loss"] for h in report["history"]["train"]],
-                "layers": report["layers"]}, f"{result_file}.{rank}")
+    report = module.run(module.config_from(options), progress=False, log=lambda *a: None)
+    if runner == "continual":
+        torch.save({"matrix": report["matrix"], "general": report["general_loss"]}, f"{result_file}.{rank}")
+    else:
+        torch.save({"final": report["final"], "train": [h["loss"] for h in report["history"]["train"]],
+                    "layers": report["layers"]}, f"{result_file}.{rank}")
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +205,22 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
     assert not any("lora" in n for n, _ in saved.named_parameters())
     assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in (tmp_path / "single").iterdir())
+
+
+def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path):
+    from adept_ext.continual import config_from, run
+
+    ws = run_workspace
+    options = dict(model=str(ws / "tiny"), tasks=f"{ws / 'domain.jsonl'},{ws / 'general.txt'}",
+                   general=str(ws / "general.txt"), method="seq_lora", block_len=32, batch_size=2, steps=2,
+                   warmup_steps=1, probe_blocks=2, eval_blocks=3, save_every=0, lr=1e-3, lora_rank=2)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
+                 log=lambda *a: None)
+    mp.spawn(_run_worker, args=(2, _free_port(), {**options, "out": str(tmp_path / "ddp")}, str(tmp_path / "r"),
+                                "continual"), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
+    assert r0 == r1
+    flat = [v for row in single["matrix"] for v in row]
+    assert [v for row in r0["matrix"] for v in row] == pytest.approx(flat, rel=1e-4, abs=1e-6)
+    assert r0["general"] == pytest.approx(single["general_loss"], rel=1e-4)
+    assert (tmp_path / "ddp" / "report.json").exists() and (tmp_path / "ddp" / "model").is_dir()
