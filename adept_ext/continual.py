@@ -96,9 +96,7 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
     """Learn `cfg.tasks` in order with `cfg.method`; returns the report (also written to `cfg.out`).
     Under torchrun the ranks train with DistributedDataParallel and rank 0 writes (see `parallel`)."""
     device = _device(cfg)
-    with parallel.process_group(device):
-        main = parallel.is_main()
-        return _run(cfg, device, progress and main, log if main else parallel.quiet)
+    return parallel.run_on_ranks(device, lambda progress_, log_: _run(cfg, device, progress_, log_), progress, log)
 
 
 def _run(cfg: ContinualConfig, device, progress, log) -> Dict:

@@ -67,6 +67,13 @@ def quiet(*args, **kwargs):
     """A `log` that says nothing (ranks other than 0)."""
 
 
+def run_on_ranks(device: torch.device, body, progress: bool, log):
+    """`body(progress, log)` inside the process group, with progress bars and the log on rank 0 only."""
+    with process_group(device):
+        main = is_main()
+        return body(progress and main, log if main else quiet)
+
+
 def wrap(model, device: torch.device):
     """The model to train: DistributedDataParallel over all ranks when there are several."""
     if world_size() == 1:

@@ -324,9 +324,7 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     """All stages of a run; returns the report (also written to `cfg.out`). Under torchrun
     (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel and rank 0 writes."""
     device = _device(cfg)
-    with parallel.process_group(device):
-        main = parallel.is_main()
-        return _run(cfg, device, progress and main, log if main else parallel.quiet)
+    return parallel.run_on_ranks(device, lambda progress_, log_: _run(cfg, device, progress_, log_), progress, log)
 
 
 def _run(cfg: RunConfig, device, progress, log) -> Dict:

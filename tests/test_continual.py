@@ -13,29 +13,23 @@ from adept_ext.methods import method_names
 from adept_ext.models import load_model
 from adept_ext.tasks import answer_scores, instruction_blocks, load_tasks
 from adept_ext.train import RunError
-from tiny_models import tiny_model
+from tiny_models import tiny_model, write_run_workspace
 
 SEQUENCE_METHODS = method_names(sequence=True)
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("continual")
-    tokenizer = load_model("smollm2-135m")[1]
-    model = tiny_model("llama", layers=4, vocab=len(tokenizer))
-    model.save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    docs = data.load_texts("python-docs")
-    (root / "docs.txt").write_text("\n\n".join(docs[:4]))
+    root = write_run_workspace(tmp_path_factory.mktemp("continual"))
+    (root / "docs.txt").write_text("\n\n".join(data.load_texts("python-docs")[:4]))
     topics = data.bbc_news_labelled()[::150]
     (root / "topics.jsonl").write_text("\n".join(json.dumps({"prompt": " ".join(t.split()[:12]) + "\nTopic:",
                                                               "answer": f" {c}"}) for t, c in topics))
-    (root / "general.txt").write_text("\n\n".join(data.bbc_news_texts()[1:40:3]))
     return root
 
 
 def options(ws, out, **kw):
-    base = dict(model=str(ws / "tiny"), tasks=f"{ws / 'docs.txt'},{ws / 'topics.jsonl'}", general=str(ws / "general.txt"),
+    base = dict(model=str(ws / "tiny"), tasks=f"{ws / 'docs.txt'},{ws / 'topics.jsonl'}", general=str(ws / "general"),
                 out=str(ws / out), k=1, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=2,
                 eval_blocks=3, save_every=2, recompute_every=2, lr=1e-3, lora_rank=2, replay_fraction=0.5)
     base.update(kw)
@@ -178,7 +172,7 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(workspace, tmp_path, c
              "DUP": f"{workspace / 'docs.txt'},{workspace / 'docs.txt'}"}
     change = {k: names.get(v, v) if isinstance(v, str) else v for k, v in change.items()}
     out = tmp_path / "o"
-    argv = ["continual", "--model", str(workspace / "tiny"), "--general", str(workspace / "general.txt"),
+    argv = ["continual", "--model", str(workspace / "tiny"), "--general", str(workspace / "general"),
             "--tasks", str(workspace / "docs.txt"), "--block-len", "32", "--out", str(out), "--no-progress"]
     for key, value in change.items():
         flag = "--" + key.replace("_", "-")

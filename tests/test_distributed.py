@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from adept_ext.probe import layer_importance
-from tiny_models import padded_batches, tiny_model
+from tiny_models import padded_batches, tiny_model, write_run_workspace
 
 
 def _probe_worker(rank, world, init_file, result_file):
@@ -166,19 +166,7 @@ def _run_worker(rank, world, port, options, result_file, runner="train"):
 
 @pytest.fixture(scope="module")
 def run_workspace(tmp_path_factory):
-    import json
-
-    from adept_ext import data
-    from adept_ext.models import load_model
-
-    root = tmp_path_factory.mktemp("ddp")
-    tokenizer = load_model("smollm2-135m")[1]
-    model = tiny_model("llama", layers=4, vocab=len(tokenizer))
-    model.save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    (root / "general.txt").write_text("\n\n".join(data.load_texts("bbc-news")[:10]))
-    (root / "domain.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in data.load_texts("python-docs")[:5]))
-    return root
+    return write_run_workspace(tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.parametrize("method", ["full", "adept", "lora"])
@@ -190,7 +178,7 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
     from adept_ext.train import config_from, run
 
     ws = run_workspace
-    options = dict(model=str(ws / "tiny"), general=str(ws / "general.txt"), domain=str(ws / "domain.jsonl"),
+    options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
                    method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=4,
                    eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
@@ -211,8 +199,8 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
     from adept_ext.continual import config_from, run
 
     ws = run_workspace
-    options = dict(model=str(ws / "tiny"), tasks=f"{ws / 'domain.jsonl'},{ws / 'general.txt'}",
-                   general=str(ws / "general.txt"), method="seq_lora", block_len=32, batch_size=2, steps=2,
+    options = dict(model=str(ws / "tiny"), tasks=f"{ws / 'domain.jsonl'},{ws / 'general'}",
+                   general=str(ws / "general"), method="seq_lora", block_len=32, batch_size=2, steps=2,
                    warmup_steps=1, probe_blocks=2, eval_blocks=3, save_every=0, lr=1e-3, lora_rank=2)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)

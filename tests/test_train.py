@@ -5,25 +5,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from adept_ext import data
 from adept_ext.cli import main
-from adept_ext.models import load_model
 from adept_ext.train import METHODS, RunError, config_from, run
-from tiny_models import tiny_model
+from tiny_models import write_run_workspace
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run")
-    tokenizer = load_model("smollm2-135m")[1]
-    model = tiny_model("llama", layers=4, vocab=len(tokenizer))
-    model.save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    (root / "general").mkdir()
-    for i, text in enumerate(data.load_texts("bbc-news")[:12]):
-        (root / "general" / f"{i}.txt").write_text(text)
-    (root / "domain.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in data.load_texts("python-docs")[:6]))
-    return root
+    return write_run_workspace(tmp_path_factory.mktemp("run"))
 
 
 def options(ws, out, **kw):

@@ -45,3 +45,23 @@ def padded_batches(vocab=97, n_batches=2, batch=3, seq=12, seed=1):
         ids = ids.masked_fill(mask == 0, 0)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return out
+
+
+def write_run_workspace(root):
+    """Files for runner tests under `root`: a tiny Llama with the real SmolLM2 tokenizer (`tiny/`),
+    12 BBC News articles as a general corpus folder (`general/`) and 6 Python documentation topics
+    as a JSONL domain corpus (`domain.jsonl`)."""
+    import json
+
+    from adept_ext import data
+    from adept_ext.models import load_model
+
+    tokenizer = load_model("smollm2-135m")[1]
+    model = tiny_model("llama", layers=4, vocab=len(tokenizer))
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    (root / "general").mkdir()
+    for i, text in enumerate(data.load_texts("bbc-news")[:12]):
+        (root / "general" / f"{i}.txt").write_text(text)
+    (root / "domain.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in data.load_texts("python-docs")[:6]))
+    return root
