@@ -149,13 +149,17 @@ def resolve_checkpoint(name_or_dir) -> Path:
 def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
     """(model, tokenizer) from a local checkpoint directory or an embedded model name, offline.
 
-    Raises FileNotFoundError for an unknown name or missing directory and ValueError for an
-    unsupported architecture (checked from config.json before the weights are read).
+    Raises FileNotFoundError for an unknown name or missing directory and ValueError for a
+    config.json that cannot be read or an unsupported architecture (checked before the weights
+    are read).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_checkpoint(name_or_dir)
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:  # not JSON, or no model_type transformers knows
+        raise ValueError(f"{path / 'config.json'} cannot be read as a Hugging Face config: {str(e).splitlines()[0]}") from e
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {config.model_type!r} in {path}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

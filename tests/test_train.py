@@ -270,3 +270,12 @@ def test_run_with_a_placement_records_what_it_measured(workspace, name):
         assert len(saved["domain"]) == 4
     if name == "plasticity":
         assert len(saved["domain_gradient_energy"]) == 4 and min(saved["domain_gradient_energy"]) > 0
+
+
+def test_a_config_json_that_is_not_json_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    assert main(["run", "--model", str(tmp_path / "broken"), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adept-ext: error: ") and "cannot be read as a Hugging Face config" in err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
