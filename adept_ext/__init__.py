@@ -7,11 +7,18 @@ import torch  # noqa: F401  (the compiled library links against torch: import it
 from . import _C  # noqa: F401  (loads the shared object, which registers torch.ops.adept_ext)
 from . import ops, reference  # noqa: F401
 from .units import mean_importance
-from .ops import linear_cross_entropy, taylor_importance
+from .ops import check_cuda_device, compiled_cuda_arch_list, linear_cross_entropy, taylor_importance
 
-__all__ = ["cuda_available", "linear_cross_entropy", "mean_importance", "ops", "reference", "taylor_importance"]
+__all__ = ["check_cuda_device", "compiled_cuda_arch_list", "cuda_available", "linear_cross_entropy",
+           "mean_importance", "ops", "reference", "taylor_importance"]
 
 
 def cuda_available() -> bool:
-    """Whether the CUDA kernels were compiled into this build (says nothing about a GPU being present)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("adept_ext::taylor_importance", "CUDA")
+    """Whether the CUDA kernels were compiled into this build (says nothing about a GPU being
+    present). Raises RuntimeError when they were, a GPU is visible, and the architectures they
+    were compiled for cannot run on it (e.g. an sm_90 build on an A100)."""
+    compiled = torch._C._dispatch_has_kernel_for_dispatch_key("adept_ext::taylor_importance", "CUDA")
+    if compiled and torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            check_cuda_device(i)
+    return compiled

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .units import UnitImportance, partition
+from .units import UnitImportance, check_autocast_dtype, partition
 
 
 def param_groups(model, lr: float, weight_decay: float = 0.0, no_decay_kinds=("norm",)) -> List[Dict]:
@@ -30,16 +30,20 @@ class DecoupledLR:
     `UnitImportance` on the probe batches. Until the first recompute the copies take the
     scores of their source layers' units (a fresh copy scores exactly 0). `mean_multiplier`
     reports the realised mean of m_U, to compare methods at equal mean learning rate.
+    `autocast_dtype`: the precision of the scores' recomputes (see `UnitImportance`; pass the
+    training's autocast dtype; torch.float32: no autocast); None (default): the importance's own
+    setting (whose default is no autocast, fp32).
     Raises ValueError if a unit has no param group of its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, importance: UnitImportance, every: int = 100,
-                 floor: float = 0.1):
+                 floor: float = 0.1, autocast_dtype=None):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not 0 <= floor <= 2:
             raise ValueError(f"floor must be in [0, 2], got {floor}")
         self.optimizer, self.importance, self.every, self.floor = optimizer, importance, every, floor
+        self.autocast_dtype = check_autocast_dtype(autocast_dtype)
         by_unit = {g.get("adept_unit"): i for i, g in enumerate(optimizer.param_groups) if g.get("adept_unit")}
         names = [u.name for u in importance.units]
         missing = [n for n in names if n not in by_unit]
@@ -50,7 +54,7 @@ class DecoupledLR:
         self._group_index = [by_unit[n] for n in names]
         self.steps = 0
         self.recomputes = 0
-        self.scores = importance.compute(use_source=True)
+        self.scores = importance.compute(use_source=True, autocast_dtype=self.autocast_dtype)
         self._saved: Optional[List[float]] = None
         self._handles = [optimizer.register_step_pre_hook(self._apply),
                          optimizer.register_step_post_hook(self._restore)]
@@ -73,7 +77,7 @@ class DecoupledLR:
         return {u.name: g["lr"] * m for u, g, m in zip(self.importance.units, self._groups, self.multipliers)}
 
     def recompute(self):
-        self.scores = self.importance.compute()
+        self.scores = self.importance.compute(autocast_dtype=self.autocast_dtype)
         self.recomputes += 1
 
     def _apply(self, optimizer, args, kwargs):

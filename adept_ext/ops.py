@@ -1,8 +1,11 @@
 """Typed wrappers of the compiled ops: argument checks with clear messages, and the fake
 (meta) implementations that let the ops trace under torch.compile(fullgraph=True)."""
+import functools
 from typing import Optional, Sequence
 
 import torch
+
+from . import _cuda_arch
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -28,6 +31,34 @@ def _pairs_ok(params, grads):
     return True, device
 
 
+def compiled_cuda_arch_list() -> Optional[str]:
+    """The TORCH_CUDA_ARCH_LIST this build's CUDA kernels were compiled for (written by setup.py);
+    None for a CPU-only build or a build that predates the record."""
+    try:
+        from ._build_info import CUDA_ARCH_LIST
+    except ImportError:
+        return None
+    return CUDA_ARCH_LIST
+
+
+@functools.lru_cache(maxsize=None)
+def check_cuda_device(index: int) -> None:
+    """Raise RuntimeError when the compiled CUDA kernels cannot run on GPU `index` (cached per GPU)."""
+    arch_list = compiled_cuda_arch_list()
+    if arch_list is None:  # unknown (no record): let the launch speak for itself
+        return
+    message = _cuda_arch.mismatch_message(arch_list, torch.cuda.get_device_capability(index),
+                                          f"GPU {index} ({torch.cuda.get_device_name(index)})")
+    if message:
+        raise RuntimeError(message)
+
+
+def _check_device_arch(device) -> None:
+    """Before the first launch on a GPU: a clear error when the build has no code for it."""
+    if device is not None and device.type == "cuda" and not torch.compiler.is_compiling():
+        check_cuda_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _check_tensor_pairs(name: str, params, grads):
     """Validate two parallel tensor lists; returns them as lists (detached) and their common device."""
     params, grads = list(params), list(grads)
@@ -35,6 +66,7 @@ def _check_tensor_pairs(name: str, params, grads):
         raise ValueError(f"{name}: got {len(params)} params but {len(grads)} grads")
     ok, device = _pairs_ok(params, grads)
     if ok:
+        _check_device_arch(device)
         return _detached(params), _detached(grads), device
     for i, (p, g) in enumerate(zip(params, grads)):
         if g is None:
@@ -50,6 +82,7 @@ def _check_tensor_pairs(name: str, params, grads):
                 raise ValueError(f"{name}: {label}[{i}] is on {t.device}, but the other tensors are on {device}")
         if p.shape != g.shape:
             raise ValueError(f"{name}: params[{i}] has shape {tuple(p.shape)} but grads[{i}] has {tuple(g.shape)}")
+    _check_device_arch(device)
     return _detached(params), _detached(grads), device
 
 
@@ -106,6 +139,24 @@ def _taylor_importance_out_fake(params, grads, out, accumulate):
     return None
 
 
+# linear_cross_entropy's default chunking bounds the logits of one chunk, the GEMM's output.
+# CPU: 2^23 logits (32 MB in float32; the kernel's own default, sized for 2 cores' caches).
+# GPU: 256 MiB of logits in the GEMM's dtype and at least 1024 rows: a 2^23-logit chunk is 65 rows
+# at V = 128k, which made every GEMM tiny on an H200 (43 ms vs 8.3 ms at 1024 rows, issue 11).
+CPU_CHUNK_LOGITS = 1 << 23
+GPU_CHUNK_BYTES = 256 << 20
+GPU_MIN_CHUNK_ROWS = 1024
+
+
+def default_chunk_rows(vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Rows per chunk that `linear_cross_entropy` uses when `chunk_rows` is None (see above)."""
+    vocab = max(int(vocab), 1)
+    if torch.device(device).type == "cpu":
+        return max(1, CPU_CHUNK_LOGITS // vocab)
+    rows = GPU_CHUNK_BYTES // (vocab * dtype.itemsize)
+    return max(GPU_MIN_CHUNK_ROWS, rows // 128 * 128)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -118,7 +169,8 @@ def linear_cross_entropy(
     hidden [N, H] and weight [V, H] (float32, bfloat16 or float16, same dtype and device),
     targets [N] int64 in [0, V) or ``ignore_index``. Returns float32 [N]:
     loss_i = logsumexp_v(h_i·w_v) − h_i·w_{t_i}, and 0 at ignored rows. Rows are processed
-    ``chunk_rows`` at a time (default: about 2^23 logits per chunk), so the peak extra memory
+    ``chunk_rows`` at a time (default by the device, `default_chunk_rows`: about 2^23 logits per
+    chunk on a CPU, 256 MiB of logits and at least 1024 rows on a GPU), so the peak extra memory
     is O(chunk_rows × V), never O(N × V). The GEMM runs in the inputs' dtype (as
     ``hidden @ weight.T`` would); the logsumexp is float32. Forward only.
     Raises ValueError/TypeError on bad shapes, dtypes, devices and out-of-range targets.
@@ -156,8 +208,10 @@ def linear_cross_entropy(
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"{name}: targets[{i}] = {int(targets[i])} is outside [0, {weight.shape[0]}) "
                              f"and is not ignore_index ({ignore_index})")
+    _check_device_arch(hidden.device)
     return torch.ops.adept_ext.linear_cross_entropy.default(
-        hidden.detach(), weight.detach(), targets, ignore_index, chunk_rows or 0)
+        hidden.detach(), weight.detach(), targets, ignore_index,
+        chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, hidden.dtype))
 
 
 @torch.library.register_fake("adept_ext::linear_cross_entropy")
@@ -207,6 +261,7 @@ def _check_basis(name: str, basis, grads, in_place: bool):
     if not basis:
         raise ValueError(f"{name}: empty tensor lists")
     if _basis_ok(basis, grads, in_place):
+        _check_device_arch(basis[0].device)
         return basis, grads, basis[0].shape[0]
     device = basis[0].device if isinstance(basis[0], torch.Tensor) else None
     basis = _check_tensor_list(name, "basis", basis, device, BASIS_DTYPES)
@@ -216,6 +271,7 @@ def _check_basis(name: str, basis, grads, in_place: bool):
         if q.dim() != g.dim() + 1 or q.shape[0] != k or q.shape[1:] != g.shape:
             raise ValueError(f"{name}: basis[{i}] has shape {tuple(q.shape)}; expected ({k}, *{tuple(g.shape)}) "
                              "with the same k for every tensor")
+    _check_device_arch(device)
     return basis, grads, k
 
 
@@ -257,6 +313,7 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
     device = g_new[0].device if isinstance(g_new[0], torch.Tensor) else None
     g_new = _check_tensor_list(name, "g_new", g_new, device, contiguous=True)
     g_pre = _check_tensor_list(name, "g_pre", g_pre, device)
+    _check_device_arch(device)
     for i, (a, b) in enumerate(zip(g_new, g_pre)):
         if a.shape != b.shape:
             raise ValueError(f"{name}: g_new[{i}] has shape {tuple(a.shape)} but g_pre[{i}] has {tuple(b.shape)}")

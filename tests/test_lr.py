@@ -99,3 +99,30 @@ def test_rates_survive_optimizer_load_state_dict():
     opt.register_step_pre_hook(lambda o, a, k: seen.append([g["lr"] for g in o.param_groups]))
     train_step(model, opt, padded_batches(n_batches=1)[0])  # DecoupledLR's hook runs first (registered first)
     assert [round(lr, 12) for lr in seen[0]] == [round(1e-2 * m, 12) for m in dec.multipliers]
+
+
+def test_recompute_in_the_given_autocast_dtype():
+    model = tiny_model("qwen3", layers=4)
+    expand_layers(model, [0, 2])
+    opt = torch.optim.AdamW(param_groups(model, 1e-3))
+    seen = []
+    handle = model.model.layers[1].mlp.up_proj.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    try:
+        plain = DecoupledLR(opt, UnitImportance(model, padded_batches(n_batches=1)))
+        plain.remove()
+        assert seen == [torch.float32]  # default: as before, fp32
+        seen.clear()
+        imp = UnitImportance(model, padded_batches(n_batches=1))
+        dec = DecoupledLR(opt, imp, autocast_dtype=torch.bfloat16)  # the source scores, then a recompute
+        dec.recompute()
+        assert seen == [torch.bfloat16, torch.bfloat16]
+        dec.remove()
+        seen.clear()
+        inherited = DecoupledLR(opt, UnitImportance(model, padded_batches(n_batches=1), autocast_dtype=torch.bfloat16))
+        inherited.recompute()  # None: the importance's own setting
+        assert seen == [torch.bfloat16, torch.bfloat16]
+        inherited.remove()
+    finally:
+        handle.remove()
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        DecoupledLR(opt, imp, autocast_dtype=torch.int8)

@@ -130,3 +130,44 @@ def test_bad_arguments():
         UnitImportance(model, padded_batches(), mode="square")
     with pytest.raises(ValueError, match="probe data is empty"):
         UnitImportance(model, [])
+
+
+def record_forward_dtypes(model):
+    """Output dtypes of every Linear call (a forward hook); returns (list, handles)."""
+    seen = []
+    handles = [m.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+               for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return seen, handles
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_dtype_runs_the_probe_in_that_precision(dtype):
+    model = expanded()
+    batches = padded_batches()
+    fp32 = UnitImportance(model, batches)
+    low = UnitImportance(model, batches, autocast_dtype=dtype)
+    seen, handles = record_forward_dtypes(model)
+    try:
+        want = fp32.raw_scores()
+        assert set(seen) == {torch.float32}  # default: no autocast, as before
+        seen.clear()
+        got = low.raw_scores()
+        assert set(seen) == {dtype}
+        seen.clear()
+        assert fp32.raw_scores(autocast_dtype=dtype) == got  # per-call override
+        assert low.raw_scores(autocast_dtype=torch.float32) == want  # float32 = no autocast, bit-identical
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # weights untouched
+    # the same scores up to the low precision's rounding (the fresh copies score 0: use the sources)
+    got, want = low.raw_scores(use_source=True), fp32.raw_scores(use_source=True)
+    err = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    assert 0 < err < 0.1, err
+
+
+def test_autocast_dtype_is_checked():
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        UnitImportance(expanded(), padded_batches(), autocast_dtype=torch.float64)
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        UnitImportance(expanded(), padded_batches()).raw_scores(autocast_dtype="bf16")

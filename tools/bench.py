@@ -1,11 +1,19 @@
 #!/usr/bin/env python
-"""Benchmarks of adept_ext kernels against the plain-PyTorch ways a user would write them,
-measured in one run on the same data. Medians over repeats, after warm-up.
+"""Benchmarks of adept_ext kernels against the plain-PyTorch ways a user would write them (and,
+for linear_cross_entropy, the installed peers: cut-cross-entropy, Liger), measured in one run on
+the same data. Medians over repeats, after warm-up.
 
-    python tools/bench.py importance|probe|lr|projection|lens|all [--quick] [--json PATH] [--device cpu|cuda]
+    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|all
+        [--size small|large] [--quick] [--json PATH] [--device cpu|cuda]
+
+--size small (default) is what 2 CPU cores finish in minutes; --size large is what users run on
+a GPU: 1B-scale tensor lists, random-weight Qwen3-0.6B- and Llama-3.2-1B-shaped models built from
+configs (no downloads), N 8192 x H 2048 x V 128256 for linear_cross_entropy.
 """
 import argparse
+import functools
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -40,11 +48,13 @@ def median_time(fn, device, repeats, warmup=2):
     return statistics.median(times)
 
 
-def machine_info(device):
+def machine_info(device, size):
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "device": str(device), "cuda_kernels_compiled": adept_ext.cuda_available()}
+            "device": str(device), "size": size, "cuda_kernels_compiled": adept_ext.cuda_available(),
+            "cuda_arch_list": adept_ext.compiled_cuda_arch_list()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
     return info
 
 
@@ -65,6 +75,15 @@ def qwen3_layer_shapes(n_layers):
     return layer * n_layers
 
 
+def llama1b_layer_shapes(n_layers):
+    """Parameter shapes of Llama-3.2-1B-sized decoder layers: hidden 2048, intermediate 8192,
+    32 q / 8 kv heads of dim 64, 2 norms (9 tensors, 60.8M elements per layer): 16 layers are
+    144 tensors and 973M elements (the 1B scale), 8 layers 72 tensors and 487M."""
+    h, inter, kv = 2048, 8192, 512
+    layer = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter), (h,), (h,)]
+    return layer * n_layers
+
+
 def naive_importance(params, grads):
     return torch.stack([torch.stack([(p * g).sum(), (p * g).abs().sum()]) for p, g in zip(params, grads)])
 
@@ -75,7 +94,10 @@ def foreach_importance(params, grads):
 
 
 def bench_importance(args, device):
-    shapes = qwen3_layer_shapes(1 if args.quick else 4)
+    if args.size == "large":
+        shapes = llama1b_layer_shapes(2 if args.quick else 16)
+    else:
+        shapes = qwen3_layer_shapes(1 if args.quick else 4)
     repeats = (3 if args.quick else 10) * (5 if device.type == "cuda" else 1)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -86,7 +108,7 @@ def bench_importance(args, device):
         # The implementations must agree before they are timed.
         exact = reference.taylor_importance(params, grads)
         fused = adept_ext.taylor_importance(params, grads)
-        torch.testing.assert_close(fused.double().cpu(), exact, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(fused.double().cpu(), exact.cpu(), rtol=1e-4, atol=1e-3)
         flat = torch.randn(nbytes // 4, device=device, dtype=torch.float32)
 
         t_naive = median_time(lambda: naive_importance(params, grads), device, repeats)
@@ -164,6 +186,45 @@ def peak_memory_mb(run, method, size, device, state):
     return peak_rss_mb(run, method, size, "cpu")
 
 
+# Random-weight models of realistic shapes, built from configs (no downloads): --size large.
+LARGE_MODELS = {
+    "qwen3-0.6b-shape": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                       vocab_size=151936, tie_word_embeddings=True)),
+    "llama-3.2-1b-shape": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                         vocab_size=128256, tie_word_embeddings=True)),
+}
+
+
+def random_model(name, dtype, device, **overrides):
+    """A randomly initialised HF causal LM of LARGE_MODELS[name]'s shape (overrides: config fields)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, shape = LARGE_MODELS[name]
+    config = AutoConfig.for_model(model_type, **{**shape, **overrides})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def random_batches(vocab, n_batches, batch, seq, device, seed=1):
+    """Batches of uniformly random tokens (labels = input_ids), as the bench's stand-in corpus."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        out.append({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+                    "labels": ids.to(device)})
+    return out
+
+
+def peak_mb(fn, device):
+    """Peak extra memory of fn() in this process (MB): the CUDA allocator's, or the resident set on a CPU."""
+    return peak_cuda_mb(fn, device) if device.type == "cuda" else rss_peak_mb(fn)
+
+
 def probe_setup(n_blocks, device):
     from adept_ext import data
     from adept_ext.models import load_model
@@ -194,7 +255,53 @@ def spearman(a, b):
     return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
+def bypass_flop_ratio(config):
+    """FLOPs of the naive probe (L+1 forwards of L layers + head) over the prefix-shared one
+    (L(L+1)/2 layer calls + L+1 heads), counting 2·params per token (attention scores left out)."""
+    n_layers, h, v = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    heads = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    per_layer = h * heads * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) \
+        + 3 * h * config.intermediate_size
+    naive = (n_layers + 1) * (n_layers * per_layer + v * h)
+    shared = n_layers * (n_layers + 1) // 2 * per_layer + (n_layers + 1) * v * h
+    return naive / shared
+
+
+def bench_probe_large(args, device, name):
+    """Exact bypass probe vs the naive L+1 forwards on a random-weight model of a realistic shape."""
+    n_batches, b, t = (1, 2, 128) if args.quick else (2, 8, 512)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(name, dtype, device).requires_grad_(False)
+    state = (model, random_batches(model.config.vocab_size, n_batches, b, t, device))
+    results = {"model": name, "dtype": str(dtype).replace("torch.", ""), "batches": n_batches, "batch_size": b,
+               "block_len": t, "layers": model.config.num_hidden_layers, "vocab": model.config.vocab_size,
+               "flop_ratio_bound": bypass_flop_ratio(model.config)}
+    base, naive_losses = run_probe_method("naive", None, device, state=state)
+    exact = run_probe_method("bypass", None, device, state=state)
+    results["max_rel_diff_variant_losses"] = max(abs(a - b) / abs(b)
+                                                 for a, b in zip(exact.variant_losses, naive_losses))
+    results["max_abs_diff_scores"] = max(abs(a - (b - base)) for a, b in zip(exact.scores, naive_losses))
+    repeats = 1 if args.quick else 3
+    for key, method in (("naive", "naive"), ("fused", "bypass")):
+        run = functools.partial(run_probe_method, method, None, device, state=state)
+        results[f"{key}_s"] = median_time(run, device, repeats, 1)
+        results[f"peak_mem_{key}_mb"] = peak_mb(run, device)
+    results["speedup_vs_naive"] = results["naive_s"] / results["fused_s"]
+    results["memory_fraction_of_naive"] = results["peak_mem_fused_mb"] / max(results["peak_mem_naive_mb"], 1e-9)
+    print(f"\nexact bypass probe, {name} ({results['layers']} layers, V {results['vocab']}, random {results['dtype']} "
+          f"weights), {n_batches} batches x {b}x{t} random tokens, device {device}")
+    print(f"naive (L+1 HF forwards): {results['naive_s']:.2f} s, peak +{results['peak_mem_naive_mb']:.0f} MB")
+    print(f"adept_ext bypass:        {results['fused_s']:.2f} s, peak +{results['peak_mem_fused_mb']:.0f} MB  "
+          f"-> speedup {results['speedup_vs_naive']:.2f}x (FLOP bound {results['flop_ratio_bound']:.2f}x), "
+          f"memory {results['memory_fraction_of_naive']:.2f} of naive")
+    print(f"max rel. diff of variant losses {results['max_rel_diff_variant_losses']:.2e}")
+    del model, state
+    return results
+
+
 def bench_probe(args, device):
+    if args.size == "large":
+        return {name: bench_probe_large(args, device, name) for name in LARGE_MODELS}
     n_blocks = 2 if args.quick else 8
     repeats = 1 if args.quick else 2
     state = probe_setup(n_blocks, device)
@@ -288,48 +395,73 @@ def bench_lens(args, device):
 
 
 # ---------------------------------------------------------------- lr
-def plain_recompute(model, units, batches):
+def plain_recompute(model, units, batches, autocast_dtype=None):
     """The recompute written with plain per-tensor PyTorch ops (what a user would write)."""
     params = dict(model.named_parameters())
     tensors = [params[u.name] for u in units]
     totals = [0.0] * len(tensors)
+    device = tensors[0].device
     for batch in batches:
-        grads = torch.autograd.grad(model(**batch, use_cache=False).loss, tensors)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = model(**batch, use_cache=False).loss
+        grads = torch.autograd.grad(loss, tensors)
         for i, (p, g) in enumerate(zip(tensors, grads)):
             totals[i] += (p.detach() * g).abs().mean().item()
     return [t / len(batches) for t in totals]
 
 
+def lr_setup(args, device):
+    """(model expanded with 4 copies, the copied layers, train batches, probe batches, description)."""
+    from adept_ext import data
+    from adept_ext.expand import expand_layers
+    from adept_ext.models import load_model
+    from adept_ext.probe import layer_importance
+
+    steps = 4 if args.quick else 12
+    if args.size == "large":
+        model = random_model("qwen3-0.6b-shape", torch.float32, device)
+        n, vocab = model.config.num_hidden_layers, model.config.vocab_size
+        chosen = [n // 4 - 1, n // 2 - 1, 3 * n // 4 - 1, n - 1]  # random weights: spread, not probed
+        b, t = (2, 128) if args.quick else (8, 1024)
+        train_batches = random_batches(vocab, steps + 2, b, t, device, seed=1)
+        probe = random_batches(vocab, 2, b, t, device, seed=2)
+        description = f"Qwen3-0.6B shape (random fp32 weights), batch {b}x{t}"
+    else:
+        model, tokenizer = load_model("smollm2-135m", device=device)
+        general = data.token_blocks(data.load_texts("bbc-news")[:300], tokenizer, block_len=128)
+        domain = data.token_blocks(data.load_texts("python-docs"), tokenizer, block_len=128)
+        chosen = layer_importance(model, data.batches(general, 2, limit=1), progress=False).select(4)
+        train_batches = data.batches(domain, 4, limit=steps + 2)
+        probe = data.batches({k: v[-8:] for k, v in domain.items()}, 2)  # 8 x 128 probe tokens, not trained on
+        description = "SmolLM2-135M, batch 4x128 Python-docs tokens"
+    expand_layers(model, chosen)
+    return model, chosen, train_batches, probe, description
+
+
 def bench_lr(args, device):
     import copy
 
-    from adept_ext import data
-    from adept_ext.expand import expand_layers
     from adept_ext.lr import DecoupledLR, param_groups
-    from adept_ext.models import load_model
-    from adept_ext.probe import layer_importance
     from adept_ext.report import plot_unit_rates
     from adept_ext.units import UnitImportance
 
-    steps = 4 if args.quick else 12
-    model, tokenizer = load_model("smollm2-135m", device=device)
-    general = data.token_blocks(data.load_texts("bbc-news")[:300], tokenizer, block_len=128)
-    domain = data.token_blocks(data.load_texts("python-docs"), tokenizer, block_len=128)
-    chosen = layer_importance(model, data.batches(general, 2, limit=1), progress=False).select(4)
-    expand_layers(model, chosen)
-    train_batches = data.batches(domain, 4, limit=steps + 2)
-    probe = data.batches({k: v[-8:] for k, v in domain.items()}, 2)  # 8 x 128 probe tokens, not trained on
-
+    model, chosen, train_batches, probe, description = lr_setup(args, device)
+    # On a GPU the steps run under bf16 autocast, as the training runner does, and the recompute is
+    # timed both as DecoupledLR calls it by default (fp32) and in the training's precision.
+    autocast = torch.bfloat16 if device.type == "cuda" else None
     plain_model = copy.deepcopy(model).train()
     plain_opt = torch.optim.AdamW([p for p in plain_model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
     ours_model = copy.deepcopy(model).train()
+    del model
     ours_opt = torch.optim.AdamW(param_groups(ours_model, 1e-4, weight_decay=0.01))
     importance = UnitImportance(ours_model, probe)
-    decoupled = DecoupledLR(ours_opt, importance, every=10**9)  # no recompute inside the timed steps
+    decoupled = DecoupledLR(ours_opt, importance, every=10**9, autocast_dtype=autocast)  # no recompute in the steps
 
     def step(m, opt, batch):
         opt.zero_grad(set_to_none=True)
-        m(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss.backward()
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            loss = m(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss
+        loss.backward()
         opt.step()
 
     times = {"plain": [], "decoupled": []}
@@ -342,38 +474,53 @@ def bench_lr(args, device):
             if i >= 2:  # warm-up
                 times[name].append(time.perf_counter() - start)
     plain_s, ours_s = statistics.median(times["plain"]), statistics.median(times["decoupled"])
+    del plain_model, plain_opt
 
-    fused_recompute = median_time(lambda: importance.raw_scores(), device, 3 if not args.quick else 1, 1)
-    plain_recompute_s = median_time(lambda: plain_recompute(ours_model, importance.units, probe), device,
-                                    3 if not args.quick else 1, 1)
+    repeats = 1 if args.quick else 3
+    fused_recompute = median_time(lambda: importance.raw_scores(), device, repeats, 1)
+    plain_recompute_s = median_time(lambda: plain_recompute(ours_model, importance.units, probe), device, repeats, 1)
     torch.testing.assert_close(torch.tensor(importance.raw_scores()),
                                torch.tensor(plain_recompute(ours_model, importance.units, probe), dtype=torch.float32),
                                rtol=1e-3, atol=1e-12)
     decoupled.recompute()
     mult = decoupled.multipliers
     results = {
-        "expanded_layers": ours_model.config.adept["expanded_layers"], "units": len(mult),
+        "model": description, "expanded_layers": ours_model.config.adept["expanded_layers"], "units": len(mult),
+        "autocast": str(autocast).replace("torch.", "") if autocast else None,
         "plain_step_s": plain_s, "decoupled_step_s": ours_s, "step_overhead": ours_s / plain_s - 1,
         "recompute_fused_s": fused_recompute, "recompute_plain_s": plain_recompute_s,
         "recompute_speedup": plain_recompute_s / fused_recompute,
-        "mean_multiplier_after_recompute": decoupled.mean_multiplier,
-        "rates": {u.name: m for u, m in zip(importance.units, mult)},
     }
+    if autocast:
+        results["recompute_fused_autocast_s"] = median_time(
+            lambda: importance.raw_scores(autocast_dtype=autocast), device, repeats, 1)
+        results["recompute_plain_autocast_s"] = median_time(
+            lambda: plain_recompute(ours_model, importance.units, probe, autocast), device, repeats, 1)
+        results["recompute_autocast_speedup_vs_fp32"] = fused_recompute / results["recompute_fused_autocast_s"]
+        results["recompute_autocast_speedup_vs_plain"] = (results["recompute_plain_autocast_s"]
+                                                          / results["recompute_fused_autocast_s"])
+    results["mean_multiplier_after_recompute"] = decoupled.mean_multiplier
+    results["rates"] = {u.name: m for u, m in zip(importance.units, mult)}
     for normalize in ("per_kind", "global", "rank"):
-        imp = UnitImportance(ours_model, probe, normalize=normalize)
+        imp = UnitImportance(ours_model, probe, normalize=normalize, autocast_dtype=autocast)
         results[f"mean_multiplier_{normalize}"] = sum(max(2 * (1 - s), decoupled.floor) for s in imp.compute()) / len(mult)
-    results["mean_multiplier_source_scores"] = sum(max(2 * (1 - s), decoupled.floor)
-                                                   for s in importance.compute(use_source=True)) / len(mult)
+    source_scores = importance.compute(use_source=True, autocast_dtype=autocast)
+    results["mean_multiplier_source_scores"] = sum(max(2 * (1 - s), decoupled.floor) for s in source_scores) / len(mult)
     out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else "bench-results"
     os.makedirs(out_dir, exist_ok=True)
-    results["heatmap"] = os.path.join(out_dir, "unit_rates.png")
+    results["heatmap"] = os.path.join(out_dir, f"unit_rates{'_large' if args.size == 'large' else ''}.png")
     plot_unit_rates(importance.units, mult, results["heatmap"],
-                    title=f"ADEPT per-unit lr multipliers, SmolLM2-135M, copies of {chosen}")
+                    title=f"ADEPT per-unit lr multipliers, {description.split(',')[0]}, copies of {chosen}")
 
-    print(f"\nDecoupledLR on SmolLM2-135M expanded at {chosen} ({len(mult)} units), AdamW, batch 4x128, device {device}")
+    print(f"\nDecoupledLR on {description}, expanded at {chosen} ({len(mult)} units), AdamW, device {device}"
+          f"{', bf16 autocast' if autocast else ''}")
     print(f"step: plain {plain_s * 1e3:.0f} ms, with DecoupledLR {ours_s * 1e3:.0f} ms -> overhead {results['step_overhead'] * 100:+.1f}%")
-    print(f"recompute on 8x128 probe tokens: fused {fused_recompute:.2f} s, plain per-tensor {plain_recompute_s:.2f} s "
+    print(f"recompute on the probe batches: fused {fused_recompute:.2f} s, plain per-tensor {plain_recompute_s:.2f} s "
           f"-> speedup {results['recompute_speedup']:.2f}x")
+    if autocast:
+        print(f"recompute under bf16 autocast: fused {results['recompute_fused_autocast_s']:.2f} s "
+              f"({results['recompute_autocast_speedup_vs_fp32']:.2f}x the fp32 one), plain per-tensor "
+              f"{results['recompute_plain_autocast_s']:.2f} s")
     print("mean lr multiplier: " + ", ".join(f"{k[len('mean_multiplier_'):]} {v:.3f}" for k, v in results.items()
                                              if k.startswith("mean_multiplier_")))
     print(f"{'unit':48} {'multiplier':>10}")
@@ -400,87 +547,208 @@ def rss_peak_mb(fn):
     return (_read_status_kb("VmHWM") - base) / 1024
 
 
-def bench_projection(args, device):
-    import math
+def random_basis_rows(n, k, device, seed=0):
+    """k rows of n float32 values ~ N(0, 1/n): nearly orthonormal (inner products ~ n^-1/2), and
+    generated again identically from the seed, so that the flat [k, n] basis and the per-tensor
+    storage need not exist at once (at 487M elements and k = 32 each is 62 GB)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(k):
+        yield torch.randn(n, device=device, generator=gen).div_(math.sqrt(n))
 
+
+def bench_projection(args, device):
     from adept_ext.projection import GradientMemory
 
-    shapes = projection_shapes()
+    large = args.size == "large"
+    shapes = llama1b_layer_shapes(2 if args.quick else 8) if large else projection_shapes()
     sizes = [math.prod(s) for s in shapes]
     n = sum(sizes)
-    ks = (8, 32) if args.quick else (8, 32, 64)
+    ks = (8, 32) if args.quick or large else (8, 32, 64)
     repeats = 2 if args.quick else 3
     grads = [torch.randn(s, device=device) for s in shapes]
     params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
     results = {"tensors": len(shapes), "elements": n, "by_k": {}}
 
-    def eoupct_style(memory_rows, k):
+    def eoupct_style(memory_rows, k, tensors):
         m = torch.stack(memory_rows, dim=1)  # re-stacked every step
         inv = torch.inverse(m.T @ m + 1e-4 * torch.eye(k, device=device))
-        g = torch.cat([t.reshape(-1) for t in grads])
+        g = torch.cat([t.reshape(-1) for t in tensors])
         g = g - m @ (inv @ (m.T @ g))
-        for t, part in zip(grads, g.split(sizes)):
+        for t, part in zip(tensors, g.split(sizes)):
             t.copy_(part.view_as(t))
 
-    def torch_cached(q):
-        g = torch.cat([t.reshape(-1) for t in grads])
+    def torch_cached(q, tensors):
+        g = torch.cat([t.reshape(-1) for t in tensors])
         g -= q.T @ (q @ g)
-        for t, part in zip(grads, g.split(sizes)):
+        for t, part in zip(tensors, g.split(sizes)):
             t.copy_(part.view_as(t))
 
     for k in ks:
-        q_flat, _ = torch.linalg.qr(torch.randn(n, k, device=device))
-        q = q_flat.T.contiguous()  # [k, n], cached orthonormal basis
-        del q_flat
-        rows = list(q.unbind(0))
+        q = torch.empty(k, n, device=device)  # [k, n], cached basis
+        for j, row in enumerate(random_basis_rows(n, k, device)):
+            q[j] = row
         nbytes = 2 * n * k * 4 + 3 * n * 4
         probe = torch.randn(min(nbytes, 2 << 30) // 4, device=device)
         t_probe = median_time(lambda: torch.sum(probe), device, repeats) * nbytes / (probe.numel() * 4)
         del probe
-        t_eoupct = median_time(lambda: eoupct_style(rows, k), device, repeats, 1)
-        t_cached = median_time(lambda: torch_cached(q), device, repeats, 1)
-        mem_eoupct = peak_cuda_mb(lambda: eoupct_style(rows, k), device) if device.type == "cuda" else rss_peak_mb(lambda: eoupct_style(rows, k))
-        mem_cached = peak_cuda_mb(lambda: torch_cached(q), device) if device.type == "cuda" else rss_peak_mb(lambda: torch_cached(q))
+        row = {"bandwidth_probe_s": t_probe}
+        if not large:  # the EoupCT form re-stacks the memory: another [n, k] copy (62 GB at the large size)
+            rows = list(q.unbind(0))
+            row["eoupct_style_s"] = median_time(lambda: eoupct_style(rows, k, grads), device, repeats, 1)
+            row["extra_peak_mb_eoupct_style"] = peak_mb(lambda: eoupct_style(rows, k, grads), device)
+            del rows
+        row["torch_cached_s"] = median_time(lambda: torch_cached(q, grads), device, repeats, 1)
+        row["extra_peak_mb_torch_cached"] = peak_mb(lambda: torch_cached(q, grads), device)
+        expected = [g.clone() for g in grads]
+        torch_cached(q, expected)
+        del q
         memory = GradientMemory(params, max_directions=k)
-        for s, part in zip(memory.storage, q.split(sizes, dim=1)):
-            s.copy_(part.reshape(s.shape))
+        for j, basis_row in enumerate(random_basis_rows(n, k, device)):  # the same rows, per tensor
+            for s, part in zip(memory.storage, basis_row.split(sizes)):
+                s[j].copy_(part.view_as(s[j]))
         memory.k = k
         check = [g.clone() for g in grads]
-        torch_cached(q)
         memory.project_(check)
-        torch.testing.assert_close(torch.cat([c.reshape(-1) for c in check]), torch.cat([g.reshape(-1) for g in grads]),
-                                   rtol=1e-4, atol=1e-4)
-        del q, rows, check
+        torch.testing.assert_close(torch.cat([c.reshape(-1) for c in check]),
+                                   torch.cat([e.reshape(-1) for e in expected]), rtol=1e-4, atol=1e-4)
+        del check, expected
         t_ours = median_time(lambda: memory.project_(grads), device, repeats, 1)
-        mem_ours = peak_cuda_mb(lambda: memory.project_(grads), device) if device.type == "cuda" else rss_peak_mb(lambda: memory.project_(grads))
+        row["extra_peak_mb_fused"] = peak_mb(lambda: memory.project_(grads), device)
         del memory
-        row = {"eoupct_style_s": t_eoupct, "torch_cached_s": t_cached, "fused_s": t_ours, "bandwidth_probe_s": t_probe,
-               "speedup_vs_eoupct_style": t_eoupct / t_ours, "speedup_vs_torch_cached": t_cached / t_ours,
-               "fused_gbps": nbytes / t_ours / 1e9, "bandwidth_probe_gbps": nbytes / t_probe / 1e9,
-               "extra_peak_mb_eoupct_style": mem_eoupct, "extra_peak_mb_torch_cached": mem_cached,
-               "extra_peak_mb_fused": mem_ours, "grads_mb": n * 4 / 2**20}
+        row.update({"fused_s": t_ours, "speedup_vs_torch_cached": row["torch_cached_s"] / t_ours,
+                    "fused_gbps": nbytes / t_ours / 1e9, "bandwidth_probe_gbps": nbytes / t_probe / 1e9,
+                    "grads_mb": n * 4 / 2**20})
+        if "eoupct_style_s" in row:
+            row["speedup_vs_eoupct_style"] = row["eoupct_style_s"] / t_ours
         row["bandwidth_fraction"] = row["fused_gbps"] / row["bandwidth_probe_gbps"]
+        if nominal_gbps(device):
+            row["nominal_bandwidth_fraction"] = row["fused_gbps"] / nominal_gbps(device)
         results["by_k"][str(k)] = row
+
+    def cell(r, key, fmt, scale=1.0):
+        return format(r[key] * scale, fmt) if key in r else format("-", ">" + fmt.split(".")[0])
 
     print(f"\nnull-space projection of {n / 1e6:.1f}M float32 gradients in {len(shapes)} tensors, device {device}; "
           "bandwidth bytes = 2nk*4 + 3n*4")
     print(f"{'k':>3} {'eoupct ms':>10} {'cached ms':>10} {'fused ms':>9} {'x eoupct':>9} {'x cached':>9} "
           f"{'GB/s':>6} {'bw frac':>8} {'+MB eoupct':>10} {'+MB cached':>10} {'+MB fused':>9}")
     for k, r in results["by_k"].items():
-        print(f"{k:>3} {r['eoupct_style_s'] * 1e3:10.1f} {r['torch_cached_s'] * 1e3:10.1f} {r['fused_s'] * 1e3:9.1f} "
-              f"{r['speedup_vs_eoupct_style']:9.2f} {r['speedup_vs_torch_cached']:9.2f} {r['fused_gbps']:6.1f} "
-              f"{r['bandwidth_fraction']:8.2f} {r['extra_peak_mb_eoupct_style']:10.0f} "
-              f"{r['extra_peak_mb_torch_cached']:10.0f} {r['extra_peak_mb_fused']:9.1f}")
+        print(f"{k:>3} {cell(r, 'eoupct_style_s', '10.1f', 1e3)} {r['torch_cached_s'] * 1e3:10.1f} "
+              f"{r['fused_s'] * 1e3:9.1f} {cell(r, 'speedup_vs_eoupct_style', '9.2f')} "
+              f"{r['speedup_vs_torch_cached']:9.2f} {r['fused_gbps']:6.1f} {r['bandwidth_fraction']:8.2f} "
+              f"{cell(r, 'extra_peak_mb_eoupct_style', '10.0f')} {r['extra_peak_mb_torch_cached']:10.0f} "
+              f"{r['extra_peak_mb_fused']:9.1f}")
+    return results
+
+
+# ---------------------------------------------------------------- linear_ce
+# (N, H, V, dtype): SmolLM2-135M's head on 2 CPU cores; a Llama-3 vocabulary at 8 x 1024 tokens.
+LCE_SHAPES = {"small": (1024, 576, 49152, torch.float32), "large": (8192, 2048, 128256, torch.bfloat16)}
+
+
+def lce_peers(device):
+    """The peers a user would pick instead, when installed (never dependencies): name -> fn(h, w, t)
+    returning the loss summed over the non-ignored rows. Both are Triton kernels: GPU only."""
+    peers = {}
+    if device.type != "cuda":
+        return peers
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+        peers["cut_cross_entropy"] = lambda h, w, t: cce(h, w, t, reduction="sum")
+    except ImportError:
+        pass
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+
+        def liger_sum(h, w, t):
+            out = liger(h, w, t, reduction="sum")
+            return out[0] if isinstance(out, tuple) else out  # some versions also return the z-loss
+
+        peers["liger_fused_linear_ce"] = liger_sum
+    except ImportError:
+        pass
+    return peers
+
+
+def reference_lce_sum(hidden, weight, targets, rows=1024):
+    """Σ of reference.linear_cross_entropy (float64), `rows` rows at a time (its logits are float64)."""
+    return sum(float(reference.linear_cross_entropy(h, weight, t).sum())
+               for h, t in zip(hidden.split(rows), targets.split(rows)))
+
+
+def bench_linear_ce(args, device):
+    """linear_cross_entropy vs logits + cross_entropy in torch, the GEMM alone, and the installed peers."""
+    n, h, v, dtype = LCE_SHAPES[args.size]
+    if args.quick:
+        n //= 4
+    repeats = (3 if args.quick else 10) * (5 if device.type == "cuda" else 1)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).to(device, dtype)
+    weight = (torch.randn(v, h, generator=gen) * h ** -0.5).to(device, dtype)  # logits ~ N(0, 1)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[::17] = -100
+    targets = targets.to(device)
+    exact = reference_lce_sum(hidden, weight, targets)
+
+    def torch_lce(hh, ww, tt):  # what a user writes (HF upcasts the logits to float32)
+        return torch.nn.functional.cross_entropy((hh @ ww.T).float(), tt, reduction="none")
+
+    providers = {"torch": torch_lce, "adept_ext": adept_ext.linear_cross_entropy}
+    if args.size == "large":
+        for rows in (1024, 8192):
+            providers[f"adept_ext_chunk_rows_{rows}"] = (
+                lambda hh, ww, tt, rows=rows: adept_ext.linear_cross_entropy(hh, ww, tt, chunk_rows=rows))
+    peers = lce_peers(device)
+    providers.update(peers)
+    flops = 2 * n * h * v
+    t_gemm = median_time(lambda: hidden @ weight.T, device, repeats)
+    results = {"n": n, "h": h, "v": v, "dtype": str(dtype).replace("torch.", ""), "gemm_s": t_gemm,
+               "gemm_tflops": flops / t_gemm / 1e12, "peak_mem_gemm_mb": peak_mb(lambda: hidden @ weight.T, device),
+               "default_chunk_rows": adept_ext.ops.default_chunk_rows(v, device, dtype),
+               "peers_installed": sorted(peers), "providers": {}}
+    with torch.no_grad():
+        for name, fn in providers.items():
+            try:
+                got = float(fn(hidden, weight, targets).double().sum())
+                t = median_time(lambda: fn(hidden, weight, targets), device, repeats)
+                mem = peak_mb(lambda: fn(hidden, weight, targets), device)
+            except Exception as e:  # an optional peer's version may not fit: reported, not fatal
+                if name not in peers:
+                    raise
+                results["providers"][name] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"warning: {name} failed: {type(e).__name__}: {e}")
+                continue
+            results["providers"][name] = {"s": t, "tflops": flops / t / 1e12, "gemm_fraction": t_gemm / t,
+                                          "peak_mem_mb": mem, "rel_diff_loss_sum": abs(got - exact) / abs(exact)}
+    ours = results["providers"]["adept_ext"]["s"]
+    for r in results["providers"].values():
+        if "s" in r:
+            r["time_vs_adept_ext"] = r["s"] / ours  # > 1: adept_ext is faster
+
+    print(f"\nlinear_cross_entropy, N {n} x H {h} x V {v}, {results['dtype']}, device {device} "
+          f"(default chunk {results['default_chunk_rows']} rows); GEMM alone {t_gemm * 1e3:.2f} ms "
+          f"= {results['gemm_tflops']:.2f} TFLOP/s, peak +{results['peak_mem_gemm_mb']:.0f} MB")
+    print(f"{'provider':28} {'ms':>9} {'TFLOP/s':>8} {'GEMM frac':>9} {'x adept':>8} {'+MB':>8} {'rel diff':>9}")
+    for name, r in results["providers"].items():
+        if "s" not in r:
+            print(f"{name:28} {r['error']}")
+            continue
+        print(f"{name:28} {r['s'] * 1e3:9.2f} {r['tflops']:8.2f} {r['gemm_fraction']:9.2f} "
+              f"{r['time_vs_adept_ext']:8.2f} {r['peak_mem_mb']:8.0f} {r['rel_diff_loss_sum']:9.1e}")
+    if device.type == "cuda" and not peers:
+        print("(cut-cross-entropy / liger-kernel not installed: no peer columns)")
     return results
 
 
 BENCHMARKS = {"importance": bench_importance, "probe": bench_probe, "lr": bench_lr, "projection": bench_projection,
-              "lens": bench_lens}
+              "lens": bench_lens, "linear_ce": bench_linear_ce}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=[*BENCHMARKS, "all"])
+    parser.add_argument("--size", choices=("small", "large"), default="small",
+                        help="small: the CPU sizes (default); large: realistic GPU sizes (see above)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (a smoke run)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -489,7 +757,11 @@ def main(argv=None):
     if device.type == "cuda" and not (torch.cuda.is_available() and adept_ext.cuda_available()):
         sys.exit("--device cuda: no GPU, or adept_ext was built without CUDA kernels")
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
-    results = {"machine": machine_info(device)}
+    if args.size == "large":
+        names = [name for name in names if name != "lens"]
+    if args.size == "large" and args.benchmark == "lens":
+        sys.exit("lens has one size (SmolLM2-135M)")
+    results = {"machine": machine_info(device, args.size)}
     for name in names:
         results[name] = BENCHMARKS[name](args, device)
     if args.json:
