@@ -141,7 +141,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         task, t0 = tasks[t], time.time()
         task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
         domain_probe = data.batches(data.first_blocks(blocks[t], cfg.probe_blocks), cfg.batch_size)
-        ctx = Context(general_probe, domain_probe, progress, task_index=t, log=log)
+        ctx = Context(general_probe, domain_probe, progress, torch.bfloat16 if bf16 else None, task_index=t, log=log)
         setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
         if main:
             task_dir.mkdir(exist_ok=True)

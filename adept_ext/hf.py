@@ -1,4 +1,5 @@
 """transformers.Trainer integration of ADEPT's decoupled learning rates (SPEC §1.3)."""
+import torch
 from transformers import TrainerCallback
 
 from .lr import DecoupledLR
@@ -12,17 +13,24 @@ class ADEPTCallback(TrainerCallback):
     The optimizer must have one param group per unit: pass
     ``optimizers=(torch.optim.AdamW(adept_ext.lr.param_groups(model, lr)), None)`` to the
     Trainer (it then builds its own scheduler on top, which composes with the multipliers).
+    The recompute runs in the training's precision: under autocast bf16/fp16 when the Trainer's
+    `args.bf16`/`args.fp16` is set (`autocast_dtype="auto"`, the default), or as given.
     """
 
     def __init__(self, probe_batches, every: int = 100, mode: str = "abs", normalize: str = "rank",
-                 floor: float = 0.1):
+                 floor: float = 0.1, autocast_dtype="auto"):
         self.probe_batches = list(probe_batches)
         self.every, self.mode, self.normalize, self.floor = every, mode, normalize, floor
+        self.autocast_dtype = autocast_dtype
         self.decoupled = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
-        importance = UnitImportance(model, self.probe_batches, mode=self.mode, normalize=self.normalize)
+        dtype = self.autocast_dtype
+        if dtype == "auto":
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        importance = UnitImportance(model, self.probe_batches, mode=self.mode, normalize=self.normalize,
+                                    autocast_dtype=dtype)
         self.decoupled = DecoupledLR(optimizer, importance, every=self.every, floor=self.floor)
 
     def on_log(self, args, state, control, logs=None, **kwargs):

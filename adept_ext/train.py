@@ -363,7 +363,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
 
     t0 = time.time()
-    ctx = Context(corpora.general_probe, corpora.domain_probe, progress,
+    ctx = Context(corpora.general_probe, corpora.domain_probe, progress, torch.bfloat16 if bf16 else None,
                   diagnosis_batches=lambda: diagnosis_batches(cfg, corpora), log=log)
     setup = method.prepare(model, ctx, layers=checkpoint["layers"] if checkpoint else None)
     total_params = sum(p.numel() for p in model.parameters())

@@ -26,3 +26,15 @@ def test_trainer_end_to_end(tmp_path):
     assert logged and any(k.startswith("adept_lr/model.layers.2.") for k in logged[-1])
     assert all(torch.equal(p, originals[n]) for n, p in model.named_parameters() if n in originals)
     assert any(not torch.equal(p, copies[n]) for n, p in model.named_parameters() if n in copies)
+
+
+def test_recompute_follows_the_trainers_precision(tmp_path):
+    model = tiny_model("llama", layers=3)
+    expand_layers(model, [1])
+    rows = [{k: v[i] for k, v in batch.items()} for batch in padded_batches(n_batches=1) for i in range(3)]
+    callback = ADEPTCallback(padded_batches(n_batches=1, seed=5), every=1)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=True)
+    Trainer(model=model, args=args, train_dataset=rows, optimizers=(torch.optim.AdamW(param_groups(model, 1e-3)), None),
+            callbacks=[callback]).train()
+    assert callback.decoupled.importance.autocast_dtype == torch.bfloat16 and callback.decoupled.recomputes == 1

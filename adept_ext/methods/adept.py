@@ -94,7 +94,8 @@ class DecoupledRates:
     """Stage 2 (SPEC §1.3) as a mixin: one param group per unit and `DecoupledLR` on the optimizer."""
 
     def groups_for(self, model, ctx: Context, trainable) -> List[Dict]:
-        self.importance = UnitImportance(model, ctx.general_probe, normalize=self.cfg.normalize)
+        self.importance = UnitImportance(model, ctx.general_probe, normalize=self.cfg.normalize,
+                                         autocast_dtype=ctx.autocast_dtype)
         return param_groups(model, self.cfg.lr, self.cfg.weight_decay)
 
     decoupled = None

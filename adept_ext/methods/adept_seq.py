@@ -60,7 +60,8 @@ class AdeptSeq(DecoupledRates, ExpandPerTask):
 
     def groups_for(self, model, ctx, trainable):
         """Per-unit groups and importance over the new copies' units only."""
-        importance = UnitImportance(model, ctx.general_probe, normalize=self.cfg.normalize)
+        importance = UnitImportance(model, ctx.general_probe, normalize=self.cfg.normalize,
+                                    autocast_dtype=ctx.autocast_dtype)
         importance.units = [u for u in importance.units if u.layer in self.new_copies]
         self.importance = importance
         names = {u.name for u in importance.units}

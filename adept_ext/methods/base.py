@@ -70,6 +70,7 @@ class Context:
     general_probe: Sequence[Dict[str, torch.Tensor]]   # general-domain probe batches (ADEPT's Stage 1 and 2)
     domain_probe: Sequence[Dict[str, torch.Tensor]] = ()  # the domain's (task's) probe batches (placements)
     progress: bool = True
+    autocast_dtype: Optional[torch.dtype] = None         # the training's autocast dtype (None: fp32)
     task_index: int = 0                                  # 0-based position in the sequence (0 for `run`)
     diagnosis_batches: Optional[Callable[[], List[Dict[str, torch.Tensor]]]] = None  # LayerTracer inputs
     log: Callable = print
