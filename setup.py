@@ -121,7 +121,7 @@ setup(
     packages=find_packages(include=["adept_ext", "adept_ext.*"]),
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtensionWithInfo},
-    python_requires=">=3.9",
+    python_requires=">=3.11",  # tomllib (3.11), zip(strict=) (3.10)
     install_requires=["torch>=2.8", "numpy"],
     entry_points={"console_scripts": ["adept-ext = adept_ext.cli:main"]},
 )

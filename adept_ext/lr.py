@@ -33,11 +33,18 @@ class DecoupledLR:
     `autocast_dtype`: the precision of the scores' recomputes (see `UnitImportance`; pass the
     training's autocast dtype; torch.float32: no autocast); None (default): the importance's own
     setting (whose default is no autocast, fp32).
+
+    `hooks=True`: the multipliers are applied by step pre/post hooks of `optimizer`. With an
+    optimizer wrapper whose step does not run the torch optimizer's hooks in one call (DeepSpeed,
+    a step that may be skipped), pass `hooks=False` and call `step_begin()` before and
+    `step_end()` after each real step (the recompute happens in `step_end`). If a step raises
+    between the two, the next `step_begin` first restores the scheduler's rates, so the
+    multipliers never compound; `restore()` does it at once.
     Raises ValueError if a unit has no param group of its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, importance: UnitImportance, every: int = 100,
-                 floor: float = 0.1, autocast_dtype=None):
+                 floor: float = 0.1, autocast_dtype=None, hooks: bool = True):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not 0 <= floor <= 2:
@@ -56,8 +63,8 @@ class DecoupledLR:
         self.recomputes = 0
         self.scores = importance.compute(use_source=True, autocast_dtype=self.autocast_dtype)
         self._saved: Optional[List[float]] = None
-        self._handles = [optimizer.register_step_pre_hook(self._apply),
-                         optimizer.register_step_post_hook(self._restore)]
+        self._handles = [optimizer.register_step_pre_hook(lambda *_: self.step_begin()),
+                         optimizer.register_step_post_hook(lambda *_: self.step_end())] if hooks else []
 
     @property
     def multipliers(self) -> List[float]:
@@ -80,22 +87,31 @@ class DecoupledLR:
         self.scores = self.importance.compute(autocast_dtype=self.autocast_dtype)
         self.recomputes += 1
 
-    def _apply(self, optimizer, args, kwargs):
+    def restore(self):
+        """Put back the rates the groups had before `step_begin` (no-op outside a step)."""
+        if self._saved is not None:
+            for g, lr in zip(self._groups, self._saved):
+                g["lr"] = lr
+            self._saved = None
+
+    def step_begin(self):
+        """Multiply every unit's rate for the coming step (after undoing a step that raised)."""
+        self.restore()
         groups = self._groups
         self._saved = [g["lr"] for g in groups]
         for g, m in zip(groups, self.multipliers):
             g["lr"] = g["lr"] * m
 
-    def _restore(self, optimizer, args, kwargs):
-        for g, lr in zip(self._groups, self._saved):
-            g["lr"] = lr
-        self._saved = None
+    def step_end(self):
+        """Restore the scheduler's rates; recompute the importance every `every` steps."""
+        self.restore()
         self.steps += 1
         if self.steps % self.every == 0:
             self.recompute()
 
     def remove(self):
         """Detach from the optimizer (its groups keep the scheduler's plain rates)."""
+        self.restore()
         for h in self._handles:
             h.remove()
 

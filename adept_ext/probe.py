@@ -73,7 +73,8 @@ def _shifted_targets(batch) -> torch.Tensor:
     """Next-token targets [B, T]: labels shifted left by one, -100 at the last position."""
     labels = batch.get("labels")
     if labels is None:
-        labels = batch["input_ids"].masked_fill(batch.get("attention_mask", 1) == 0, -100)
+        mask = batch.get("attention_mask")
+        labels = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, -100)
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
 
 

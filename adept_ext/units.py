@@ -188,7 +188,10 @@ class UnitImportance:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype not in (None, torch.float32)):
                     loss = self.model(**batch, use_cache=False).loss
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
-                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+                unused = [n for n, g in zip(names, grads) if g is None]
+                if unused:  # scoring it 0 would silently give it the highest rate (2x)
+                    raise ValueError(f"unit {unused[0]} (and {len(unused) - 1} more) receives no gradient from the "
+                                     "probe loss: the forward pass does not use it")
                 taylor_importance(params, grads, out=sums, accumulate=True)
         finally:
             for p, f in zip(params, flags):

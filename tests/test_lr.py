@@ -126,3 +126,49 @@ def test_recompute_in_the_given_autocast_dtype():
         handle.remove()
     with pytest.raises(ValueError, match="autocast_dtype"):
         DecoupledLR(opt, imp, autocast_dtype=torch.int8)
+
+
+def test_a_step_that_raises_does_not_leave_or_compound_the_multipliers():
+    model, opt, dec = setup(lr=1e-2, every=100)
+    batch = padded_batches(n_batches=1)[0]
+    calls = {"n": 0}
+
+    def failing_once(optimizer, args, kwargs):  # runs after DecoupledLR's pre-hook, like a failing step
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("step failed")
+
+    handle = opt.register_step_pre_hook(failing_once)
+    opt.zero_grad()
+    model(**batch).loss.backward()
+    with pytest.raises(RuntimeError, match="step failed"):
+        opt.step()
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([g["lr"] for g in dec._groups]))
+    opt.step()  # the next step multiplies the scheduler's rates once, not the multiplied ones again
+    assert seen[0] == pytest.approx([1e-2 * m for m in dec.multipliers])
+    assert all(g["lr"] == pytest.approx(1e-2) for g in opt.param_groups) and dec.steps == 1
+    handle.remove()
+    dec.step_begin()  # as a failed step leaves it; restore() puts the scheduler's rates back at once
+    dec.restore()
+    assert all(g["lr"] == pytest.approx(1e-2) for g in opt.param_groups)
+
+
+def test_explicit_step_calls_for_optimizer_wrappers():
+    model, opt_hooked, dec_hooked = setup(lr=1e-2, every=2)
+    model2 = tiny_model("qwen3", layers=4)
+    expand_layers(model2, [0, 2])
+    opt = torch.optim.AdamW(param_groups(model2, 1e-2, weight_decay=0.01))
+    dec = DecoupledLR(opt, UnitImportance(model2, padded_batches(n_batches=1), normalize="per_kind"), every=2,
+                      hooks=False)
+    batch = padded_batches(n_batches=1)[0]
+    for _ in range(3):
+        train_step(model, opt_hooked, batch)
+        opt.zero_grad()
+        model2(**batch).loss.backward()
+        dec.step_begin()
+        opt.step()
+        dec.step_end()
+    assert dec.steps == dec_hooked.steps == 3 and dec.recomputes == dec_hooked.recomputes == 1
+    for a, b in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(a, b)

@@ -125,3 +125,13 @@ def test_selected_layers_in_json_and_plot_legend(tmp_path, monkeypatch):
     (legend,) = [ax.get_legend() for ax in figures[0].axes]
     labels = [t.get_text() for t in legend.get_texts()]
     assert labels == [f"selected: layers {chosen[0]}, {chosen[1]}", "other layers"]
+
+
+def test_batches_without_labels_or_mask_score_every_token():
+    model = tiny_model("llama", layers=2)
+    batch = padded_batches(n_batches=1)[0]
+    full = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"])}
+    bare = {"input_ids": batch["input_ids"]}
+    a = layer_importance(model, [full], progress=False)
+    b = layer_importance(model, [bare], progress=False)
+    assert a.scores == b.scores and a.tokens == b.tokens == batch["input_ids"].numel() - batch["input_ids"].shape[0]

@@ -171,3 +171,13 @@ def test_autocast_dtype_is_checked():
         UnitImportance(expanded(), padded_batches(), autocast_dtype=torch.float64)
     with pytest.raises(ValueError, match="autocast_dtype"):
         UnitImportance(expanded(), padded_batches()).raw_scores(autocast_dtype="bf16")
+
+
+def test_a_unit_without_gradient_is_an_error_not_the_highest_rate():
+    model = tiny_model("llama", layers=3)
+    expand_layers(model, [1])
+    model.model.layers[2].mlp.forward = lambda x: torch.zeros_like(x)  # the copy's MLP and its norm: no gradient
+    imp = UnitImportance(model, padded_batches(n_batches=1))
+    with pytest.raises(ValueError, match=r"model.layers.2.mlp.gate_proj.weight \(and 3 more\) receives no gradient"):
+        imp.compute()
+    assert all(p.requires_grad == (".2." in n) for n, p in model.named_parameters())  # flags restored
