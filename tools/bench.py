@@ -3,7 +3,7 @@
 for linear_cross_entropy, the installed peers: cut-cross-entropy, Liger), measured in one run on
 the same data. Medians over repeats, after warm-up.
 
-    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|all
+    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|all
         [--size small|large] [--quick] [--json PATH] [--device cpu|cuda]
 
 --size small (default) is what 2 CPU cores finish in minutes; --size large is what users run on
@@ -337,6 +337,41 @@ def bench_probe(args, device):
     for method in ("block_influence", "taylor"):
         print(f"{method:16} {results[method + '_s']:.2f} s, Spearman vs exact {results[method + '_spearman']:.3f}")
     print(f"4 least important layers: {results['least_important']}")
+    return results
+
+
+# ---------------------------------------------------------------- placement
+def bench_placement(args, device):
+    """Cost of each Stage 1 placement criterion relative to ADEPT's importance probe (the same
+    general probe; domain_aware adds a bypass probe of the domain, plasticity one backward pass)."""
+    from adept_ext import data, placement
+    from adept_ext.models import load_model
+
+    if args.size == "large":
+        model = random_model("qwen3-0.6b-shape", torch.bfloat16, device)
+        general = random_batches(model.config.vocab_size, 2, 8, 512, device)
+        domain = random_batches(model.config.vocab_size, 2, 8, 512, device, seed=2)
+    else:
+        model, tokenizer = load_model("smollm2-135m", device=device)
+        n_blocks = 2 if args.quick else 8
+
+        def probe(corpus):
+            blocks = data.token_blocks(data.load_texts(corpus)[:200], tokenizer, block_len=128)
+            return data.batches({k: v[:n_blocks] for k, v in blocks.items()}, 4)
+
+        general, domain = probe("bbc-news"), probe("python-docs")
+    repeats = 1 if args.quick or args.size == "large" else 2
+    results = {"layers": model.config.num_hidden_layers, "k": 4}
+    for name in placement.PLACEMENTS:
+        run = functools.partial(placement.choose, name, model, 4, general, domain, progress=False)
+        results[f"{name}_s"] = median_time(run, device, repeats, 0)
+        results[f"{name}_layers"] = run()["layers"]
+    base = results["importance_s"]
+    print(f"\nplacement criteria on {model.config.num_hidden_layers} layers, k = 4, device {device}")
+    for name in placement.PLACEMENTS:
+        results[f"{name}_vs_importance"] = results[f"{name}_s"] / base
+        print(f"{name:13} {results[name + '_s']:7.2f} s  {results[name + '_vs_importance']:5.2f}x importance  "
+              f"layers {results[name + '_layers']}")
     return results
 
 
@@ -741,7 +776,7 @@ def bench_linear_ce(args, device):
 
 
 BENCHMARKS = {"importance": bench_importance, "probe": bench_probe, "lr": bench_lr, "projection": bench_projection,
-              "lens": bench_lens, "linear_ce": bench_linear_ce}
+              "lens": bench_lens, "linear_ce": bench_linear_ce, "placement": bench_placement}
 
 
 def main(argv=None):
