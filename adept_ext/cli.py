@@ -238,11 +238,12 @@ def _evaluate(cfg, progress):
 
 
 def main(argv=None) -> int:
+    from transformers.utils import logging as hf_logging
+
     args = build_parser().parse_args(argv)
     progress = not args.no_progress
+    bars_were_on = hf_logging.is_progress_bar_enabled()
     if not progress:
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()
     try:
         cfg = resolve_config(args)
@@ -263,6 +264,9 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:  # --no-progress is for this command only, also when main() is called in-process
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     return 0
 
 

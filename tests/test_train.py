@@ -279,3 +279,11 @@ def test_a_config_json_that_is_not_json_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("adept-ext: error: ") and "cannot be read as a Hugging Face config" in err
     assert "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+def test_no_progress_holds_for_one_command_only(tmp_path):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    assert main(["run", "--model", "no-such-model", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert hf_logging.is_progress_bar_enabled()
