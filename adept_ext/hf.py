@@ -31,7 +31,8 @@ class ADEPTCallback(TrainerCallback):
             dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         importance = UnitImportance(model, self.probe_batches, mode=self.mode, normalize=self.normalize,
                                     autocast_dtype=dtype)
-        self.decoupled = DecoupledLR(optimizer, importance, every=self.every, floor=self.floor)
+        self.decoupled = DecoupledLR(optimizer, importance, every=self.every, floor=self.floor,
+                                     last_step=state.max_steps or None)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         """Adds the mean multiplier, the recompute count and every unit's current rate to the

@@ -40,16 +40,19 @@ class DecoupledLR:
     `step_end()` after each real step (the recompute happens in `step_end`). If a step raises
     between the two, the next `step_begin` first restores the scheduler's rates, so the
     multipliers never compound; `restore()` does it at once.
+    `last_step`: the training's final step, if known; no recompute after it (its scores would
+    rate no step; one probe pass saved).
     Raises ValueError if a unit has no param group of its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, importance: UnitImportance, every: int = 100,
-                 floor: float = 0.1, autocast_dtype=None, hooks: bool = True):
+                 floor: float = 0.1, autocast_dtype=None, hooks: bool = True, last_step: Optional[int] = None):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not 0 <= floor <= 2:
             raise ValueError(f"floor must be in [0, 2], got {floor}")
         self.optimizer, self.importance, self.every, self.floor = optimizer, importance, every, floor
+        self.last_step = last_step
         self.autocast_dtype = check_autocast_dtype(autocast_dtype)
         by_unit = {g.get("adept_unit"): i for i, g in enumerate(optimizer.param_groups) if g.get("adept_unit")}
         names = [u.name for u in importance.units]
@@ -83,6 +86,11 @@ class DecoupledLR:
         """Current learning rate of every unit (the group's scheduled lr × its multiplier)."""
         return {u.name: g["lr"] * m for u, g, m in zip(self.importance.units, self._groups, self.multipliers)}
 
+    def recompute_due(self) -> bool:
+        """Whether `step_end` of the coming step recomputes the importance."""
+        step = self.steps + 1
+        return step % self.every == 0 and (self.last_step is None or step < self.last_step)
+
     def recompute(self):
         self.scores = self.importance.compute(autocast_dtype=self.autocast_dtype)
         self.recomputes += 1
@@ -103,10 +111,11 @@ class DecoupledLR:
             g["lr"] = g["lr"] * m
 
     def step_end(self):
-        """Restore the scheduler's rates; recompute the importance every `every` steps."""
+        """Restore the scheduler's rates; recompute the importance every `every` steps (not after `last_step`)."""
         self.restore()
+        due = self.recompute_due()
         self.steps += 1
-        if self.steps % self.every == 0:
+        if due:
             self.recompute()
 
     def remove(self):
@@ -117,11 +126,11 @@ class DecoupledLR:
 
     def state_dict(self) -> Dict:
         return {"scores": list(self.scores), "steps": self.steps, "recomputes": self.recomputes,
-                "every": self.every, "floor": self.floor, "units": [u.name for u in self.importance.units]}
+                "every": self.every, "floor": self.floor, "last_step": self.last_step, "units": [u.name for u in self.importance.units]}
 
     def load_state_dict(self, state: Dict):
         names = [u.name for u in self.importance.units]
         if state["units"] != names:
             raise ValueError("the saved state belongs to a model with other expanded units")
         self.scores, self.steps, self.recomputes = list(state["scores"]), state["steps"], state["recomputes"]
-        self.every, self.floor = state["every"], state["floor"]
+        self.every, self.floor, self.last_step = state["every"], state["floor"], state.get("last_step")

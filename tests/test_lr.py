@@ -80,6 +80,17 @@ def test_recompute_schedule_and_state_dict():
     assert dec2.scores == dec.scores and dec2.steps == 2 and dec2.multipliers == dec.multipliers
 
 
+def test_no_recompute_after_the_last_step():
+    model, opt, dec = setup(every=2)
+    dec.last_step = 4
+    batch = padded_batches(n_batches=1)[0]
+    due = []
+    for _ in range(4):
+        due.append(dec.recompute_due())
+        train_step(model, opt, batch)
+    assert due == [False, True, False, False] and dec.recomputes == 1 and dec.steps == 4
+
+
 def test_needs_one_group_per_unit():
     model = tiny_model("qwen3", layers=4)
     trainable = expand_layers(model, [0])

@@ -101,10 +101,11 @@ class DecoupledRates:
     decoupled = None
 
     def attach(self, optimizer):
-        self.decoupled = DecoupledLR(optimizer, self.importance, every=self.cfg.recompute_every)
+        self.decoupled = DecoupledLR(optimizer, self.importance, every=self.cfg.recompute_every,
+                                     last_step=self.cfg.steps)
 
     def step_note(self) -> str:
-        due = self.decoupled is not None and (self.decoupled.steps + 1) % self.decoupled.every == 0
+        due = self.decoupled is not None and self.decoupled.recompute_due()
         return "recomputing unit importance" if due else ""
 
     def end_task(self, model, out, report: Dict):
