@@ -1,17 +1,84 @@
 #!/usr/bin/env python
-"""Run every continual-learning method on one task sequence with one budget and seed, and write
-docs/results/continual.md and continual.json: per method the score matrix a[t][i], AA, BWT, FWT,
-general forgetting, trainable parameters and wall time.
+"""Run continual-learning methods on one task sequence with one budget over one or more seeds,
+and write docs/results/continual.md and continual.json: per method (and per ablation variant) the
+score matrix a[t][i], AA, BWT, FWT, general forgetting, trainable parameters and wall time, as
+the mean over the seeds with every seed's value beside it.
 
-    python tools/compare_continual.py [--tasks builtin] [--steps 40] [--lr 3e-4] [--seed 0]
-                                      [--methods seq_full,seq_lora,...] [--set k=2 ...] [--collect]
+    python tools/compare_continual.py [--tasks builtin] [--steps 40] [--lr 3e-4] [--seeds 0,1]
+                                      [--methods seq_full,seq_lora,...]
+                                      [--variant eoupct:eoupct_proxy=embeds,eoupct_virtual=false ...]
+                                      [--set k=2 ...] [--collect]
+
+A variant is a method with some of its options changed (an ablation); it is a row of its own.
+Runs already finished in --out are reused, so seeds and variants can be added run by run.
 """
 import argparse
 import json
+import statistics
 from pathlib import Path
+from typing import Dict, List
 
 from adept_ext.continual import ContinualConfig, config_from, run
 from adept_ext.methods import method_names
+
+METRICS = ("AA", "BWT", "FWT", "general_forgetting")
+
+
+def parse_options(text: str) -> Dict[str, str]:
+    """"a=1,b=x" -> {"a": "1", "b": "x"}."""
+    return dict(item.split("=", 1) for item in text.split(",") if item)
+
+
+def rows_to_run(args) -> List[Dict]:
+    """[{"label", "method", "options"}] for every plain method and every --variant."""
+    rows = [{"label": m, "method": m, "options": {}} for m in args.methods.split(",") if m]
+    for variant in args.variant:
+        method, _, options = variant.partition(":")
+        options = parse_options(options)
+        label = f"{method} [{', '.join(f'{k}={v}' for k, v in options.items())}]" if options else method
+        rows.append({"label": label, "method": method, "options": options})
+    return rows
+
+
+def run_dir(args, row, seed, extra) -> Path:
+    options = {**extra, **row["options"]}
+    suffix = "".join(f"-{key}{value}" for key, value in options.items())
+    return Path(f"{args.out}/{row['method']}-lr{args.lr}-s{seed}-n{args.steps}{suffix}")
+
+
+def one_run(args, row, seed, extra) -> Dict:
+    """The report of `row` on `seed`: read from its run directory if finished, else run now."""
+    out = run_dir(args, row, seed, extra)
+    if (out / "report.json").exists():
+        return json.loads((out / "report.json").read_text())
+    if args.collect:
+        return None
+    defaults = ContinualConfig()
+    options = dict(method=row["method"], tasks=args.tasks, steps=args.steps, lr=args.lr, seed=seed,
+                   warmup_steps=max(1, args.steps // 10), save_every=0, out=str(out), overwrite=True)
+    for key, value in {**extra, **row["options"]}.items():
+        kind = type(getattr(defaults, key))
+        options[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
+    return run(config_from(options), progress=False)
+
+
+def summarize(row, reports) -> Dict:
+    """Mean over the seeds of every metric, with each seed's value."""
+    per_seed = [{"seed": seed, **{m: (r["metrics"] if m != "general_forgetting" else r)[m] for m in METRICS},
+                 "matrix": r["matrix"], "general_loss": r["general_loss"], "wall_seconds": r["wall_seconds"]}
+                for seed, r in reports]
+    first = reports[0][1]
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.mean(values) if values else None
+
+    final = [mean([s["matrix"][-1][i] for s in per_seed]) for i in range(len(first["tasks"]))]
+    return {"label": row["label"], "method": row["method"], "options": row["options"],
+            **{m: mean([s[m] for s in per_seed]) for m in METRICS},
+            "final_scores": final, "final_general_loss": mean([s["general_loss"][-1] for s in per_seed]),
+            "trainable_parameters": first["trainable_parameters"],
+            "wall_seconds": mean([s["wall_seconds"] for s in per_seed]), "seeds": per_seed, "tasks": first["tasks"]}
 
 
 def main():
@@ -20,34 +87,26 @@ def main():
     parser.add_argument("--tasks", default=defaults.tasks)
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per task")
     parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds; the tables give the mean")
     parser.add_argument("--methods", default=",".join(method_names(sequence=True)))
+    parser.add_argument("--variant", action="append", default=[], metavar="METHOD:OPTION=VALUE[,OPTION=VALUE]",
+                        help="a method with changed options, as a row of its own (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                         help="any other option of adept-ext continual (names with underscores), for every method")
-    parser.add_argument("--out", default="runs/continual-compare", help="run directories (one per method)")
+    parser.add_argument("--out", default="runs/continual-compare", help="run directories (one per method and seed)")
     parser.add_argument("--results", default="docs/results/continual", help="path prefix of the .md and .json results")
     parser.add_argument("--collect", action="store_true", help="run nothing: tabulate the finished runs in --out")
     args = parser.parse_args()
-    extra = dict(item.split("=", 1) for item in args.set)
-    suffix = "".join(f"-{key}{value}" for key, value in extra.items())
-    rows = []
-    for method in args.methods.split(","):
-        out = Path(f"{args.out}/{method}-lr{args.lr}-s{args.seed}-n{args.steps}{suffix}")
-        if args.collect:
-            if not (out / "report.json").exists():
-                continue
-            report = json.loads((out / "report.json").read_text())
-        else:
-            options = dict(method=method, tasks=args.tasks, steps=args.steps, lr=args.lr, seed=args.seed,
-                           warmup_steps=max(1, args.steps // 10), save_every=0, out=str(out), overwrite=True)
-            options.update({key: type(getattr(defaults, key))(value) for key, value in extra.items()})
-            report = run(config_from(options), progress=False)
-        rows.append({"method": method, **report["metrics"], "general_forgetting": report["general_forgetting"],
-                     "matrix": report["matrix"], "general_loss": report["general_loss"],
-                     "trainable_parameters": report["trainable_parameters"], "wall_seconds": report["wall_seconds"],
-                     "tasks": report["tasks"]})
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("matrix", "tasks")}))
-        write_results(args, extra, rows)
+    extra = parse_options(",".join(args.set))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = []
+    for row in rows_to_run(args):
+        reports = [(seed, report) for seed in seeds if (report := one_run(args, row, seed, extra)) is not None]
+        if not reports:
+            continue
+        results.append(summarize(row, reports))
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("seeds", "tasks")}))
+        write_results(args, extra, seeds, results)
     print(f"wrote {Path(args.results).with_suffix('.md')} and {Path(args.results).with_suffix('.json')}")
 
 
@@ -55,32 +114,45 @@ def _signed(value) -> str:
     return "n/a" if value is None else f"{value:+.4f}"
 
 
-def write_results(args, extra, rows):
+def _with_seeds(row, metric, fmt) -> str:
+    """The mean, and each seed's value in brackets when there is more than one."""
+    text = fmt(row[metric])
+    if len(row["seeds"]) > 1:
+        text += " (" + " / ".join(fmt(s[metric]) for s in row["seeds"]) + ")"
+    return text
+
+
+def write_results(args, extra, seeds, rows):
     tasks = rows[0]["tasks"]
-    budget = {"tasks": [t["name"] for t in tasks], "steps_per_task": args.steps, "lr": args.lr, "seed": args.seed,
+    budget = {"tasks": [t["name"] for t in tasks], "steps_per_task": args.steps, "lr": args.lr, "seeds": seeds,
               "batch": "4 x 128 tokens", **extra, "model": "smollm2-135m", "general": "bbc-news (held out)"}
     path = Path(args.results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"budget": budget, "methods": rows}, indent=2))
     names = [f"{t['name']} ({t['metric']})" for t in tasks]
+    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"mean over seeds {', '.join(map(str, seeds))} (each seed's value in brackets)"
     lines = ["# Continual-learning comparison", "",
              f"SmolLM2-135M learns {' → '.join(budget['tasks'])} in order; {args.steps} AdamW steps of 4 x 128 tokens "
-             f"per task, lr {args.lr} (warmup + cosine per task), seed {args.seed}"
+             f"per task, lr {args.lr} (warmup + cosine per task), {seed_text}"
              + "".join(f", {key} = {value}" for key, value in extra.items()) + ".",
              "Scores: accuracy for instruction tasks, −loss for text tasks (higher is better). AA = mean final score; "
              "BWT = mean change of a task's score from just after it was learned to the end (negative = forgetting); "
              "FWT = mean score of a task before it was learned minus the base model's; general forgetting = general "
-             "held-out loss at the end minus the base model's (lower is better).", "",
-             "| method | AA | BWT | FWT | general forgetting | trainable per task | wall s |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['AA']:.4f} | {_signed(r['BWT'])} | {_signed(r['FWT'])} | "
-              f"{r['general_forgetting']:+.4f} | {', '.join(f'{n / 1e6:.2f}M' for n in r['trainable_parameters'])} | "
-              f"{r['wall_seconds']} |" for r in rows]
-    lines += ["", "Final scores per task (row T of the matrix) and general loss:", "",
-              "| method | " + " | ".join(names) + " | general loss |", "|---|" + "---|" * (len(names) + 1)]
-    lines += [f"| {r['method']} | " + " | ".join(f"{s:.4f}" for s in r["matrix"][-1]) + f" | {r['general_loss'][-1]:.4f} |"
+             "held-out loss at the end minus the base model's (lower is better). Rows with options in brackets are "
+             "ablations of the method.", "",
+             "| method | seeds | AA | BWT | FWT | general forgetting | trainable per task | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {', '.join(str(s['seed']) for s in r['seeds'])} | {_with_seeds(r, 'AA', lambda v: f'{v:.4f}')} | {_with_seeds(r, 'BWT', _signed)} | "
+              f"{_with_seeds(r, 'FWT', _signed)} | {_with_seeds(r, 'general_forgetting', _signed)} | "
+              f"{', '.join(f'{n / 1e6:.2f}M' for n in r['trainable_parameters'])} | {r['wall_seconds']:.0f} |"
               for r in rows]
-    lines += ["", "Base model: " + ", ".join(f"{n} {s:.4f}" for n, s in zip(names, rows[0]["matrix"][0]))
-              + f", general loss {rows[0]['general_loss'][0]:.4f}."]
+    lines += ["", "Final scores per task (row T of the matrix, mean over the seeds) and general loss:", "",
+              "| method | " + " | ".join(names) + " | general loss |", "|---|" + "---|" * (len(names) + 1)]
+    lines += [f"| {r['label']} | " + " | ".join(f"{s:.4f}" for s in r["final_scores"])
+              + f" | {r['final_general_loss']:.4f} |" for r in rows]
+    base = [(s["seed"], s["matrix"][0], s["general_loss"][0]) for s in rows[0]["seeds"]]
+    lines += [""] + [f"Base model, seed {seed}: " + ", ".join(f"{n} {v:.4f}" for n, v in zip(names, scores))
+                     + f", general loss {general:.4f}." for seed, scores, general in base]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
