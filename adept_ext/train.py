@@ -51,9 +51,9 @@ class TrainOptions:
     block_len: int = 128              # tokens per block
     batch_size: int = 4               # blocks per micro-batch
     grad_accum: int = 1               # micro-batches per optimizer step
-    steps: int = 60                   # optimizer steps (per task in a sequence)
+    steps: int = 40                   # optimizer steps (per task in a sequence)
     lr: float = 3e-4                  # base learning rate
-    warmup_steps: int = 6             # linear warmup, then cosine decay to 0
+    warmup_steps: int = 4             # linear warmup, then cosine decay to 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0        # gradient clipping (0 = off)
     probe_blocks: int = 8             # general blocks used to probe layers and score units
@@ -78,6 +78,8 @@ class RunConfig(TrainOptions):
     domain: str = "python-docs"       # domain corpus (what the model is adapted to)
     layers: str = ""                  # explicit layers to expand / train, e.g. "7,14,21,29" (overrides k)
     placement: str = "importance"     # adept*: where the k layers go (adept_ext.placement.PLACEMENTS)
+    probe_blocks: int = 4             # general blocks used to probe layers and score units (4 and 8 choose
+                                      # the same layers of the embedded model at half the probe's time)
     eval_every: int = 20              # held-out evaluation every N steps (0 = only at the end)
     boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
     diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
