@@ -3,7 +3,7 @@
 for linear_cross_entropy, the installed peers: cut-cross-entropy, Liger), measured in one run on
 the same data. Medians over repeats, after warm-up.
 
-    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|all
+    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|probe_scaling|all
         [--size small|large] [--quick] [--json PATH] [--device cpu|cuda]
 
 --size small (default) is what 2 CPU cores finish in minutes; --size large is what users run on
@@ -225,7 +225,7 @@ def peak_mb(fn, device):
     return peak_cuda_mb(fn, device) if device.type == "cuda" else rss_peak_mb(fn)
 
 
-def probe_setup(n_blocks, device):
+def probe_setup(n_blocks, device, batch_size=None):
     from adept_ext import data
     from adept_ext.models import load_model
 
@@ -234,7 +234,7 @@ def probe_setup(n_blocks, device):
     blocks = {k: v[:n_blocks] for k, v in blocks.items()}
     with torch.no_grad():  # touch the (memory-mapped) weights so that they count as the baseline
         model(input_ids=blocks["input_ids"][:1, :8])
-    return model, data.batches(blocks, n_blocks)
+    return model, data.batches(blocks, batch_size or n_blocks)
 
 
 def run_probe_method(method, n_blocks, device, setup_only=False, state=None):
@@ -775,8 +775,64 @@ def bench_linear_ce(args, device):
     return results
 
 
+# ---------------------------------------------------------------- probe scaling (torchrun-style)
+def _probe_rank(rank, world, port, n_blocks, threads, queue):
+    """One process of the scaling run: gloo group of `world`, `threads` threads, the exact probe."""
+    import torch.distributed as dist
+
+    from adept_ext.probe import layer_importance
+
+    torch.set_num_threads(threads)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, batches = probe_setup(n_blocks, torch.device("cpu"), batch_size=2)
+        layer_importance(model, batches[:world], progress=False)  # warm-up, the same calls on every rank
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        result = layer_importance(model, batches, progress=False)
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            queue.put({"seconds": seconds, "scores": result.scores})
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def bench_probe_scaling(args, device):
+    """The exact probe on the same batches in 1 process and in W gloo processes (the threads split
+    evenly), as `torchrun` runs it: each rank probes batches[rank::W] and the sums are all-reduced."""
+    if device.type != "cpu":
+        sys.exit("probe_scaling runs on the CPU (gloo); on GPUs run the probe under torchrun")
+    n_blocks, world = (4, 2) if args.quick else (8, 2)
+    cores = os.cpu_count() or 1
+    ctx = mp.get_context("spawn")
+    results = {"blocks": n_blocks, "block_len": 128, "batch_size": 2, "processes": world, "cores": cores}
+    for w in (1, world):
+        queue = ctx.Queue()
+        port = 29600 + w
+        procs = [ctx.Process(target=_probe_rank, args=(r, w, port, n_blocks, max(1, cores // w), queue))
+                 for r in range(w)]
+        for proc in procs:
+            proc.start()
+        out = queue.get(timeout=1800)
+        for proc in procs:
+            proc.join()
+        results[f"{w}_process_s"] = out["seconds"]
+        results[f"{w}_process_scores"] = out["scores"]
+    results["speedup"] = results["1_process_s"] / results[f"{world}_process_s"]
+    results["max_abs_diff_scores"] = max(abs(a - b) for a, b in zip(results["1_process_scores"],
+                                                                      results[f"{world}_process_scores"]))
+    print(f"\nexact probe, SmolLM2-135M, {n_blocks} blocks x 128 tokens in batches of 2, {cores} cores: "
+          f"1 process {results['1_process_s']:.1f} s, {world} gloo processes {results[f'{world}_process_s']:.1f} s "
+          f"-> {results['speedup']:.2f}x; max |score difference| {results['max_abs_diff_scores']:.1e}")
+    return results
+
+
 BENCHMARKS = {"importance": bench_importance, "probe": bench_probe, "lr": bench_lr, "projection": bench_projection,
-              "lens": bench_lens, "linear_ce": bench_linear_ce, "placement": bench_placement}
+              "lens": bench_lens, "linear_ce": bench_linear_ce, "placement": bench_placement,
+              "probe_scaling": bench_probe_scaling}
 
 
 def main(argv=None):
@@ -794,6 +850,8 @@ def main(argv=None):
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
     if args.size == "large":
         names = [name for name in names if name != "lens"]
+    if args.benchmark == "all" and (device.type != "cpu" or args.size == "large"):
+        names = [name for name in names if name != "probe_scaling"]  # a CPU (gloo) measurement
     if args.size == "large" and args.benchmark == "lens":
         sys.exit("lens has one size (SmolLM2-135M)")
     results = {"machine": machine_info(device, args.size)}
