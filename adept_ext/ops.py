@@ -18,6 +18,26 @@ def _detached(tensors):
     return [t.detach() for t in tensors] if any(t.requires_grad for t in tensors) else tensors
 
 
+@functools.lru_cache(maxsize=None)
+def _written(op) -> Tuple[int, ...]:
+    """Indices of op's Tensor(a!) arguments (the ones it writes)."""
+    return tuple(i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _call_as_data(op, *args):
+    """op(*args) from the wrapper of an op that is not differentiable, on tensors it detached:
+    dispatched below the Python Autograd and ADInplaceOrView kernels registered at the end of this
+    file (each boxes every tensor of the lists into Python, tens of µs per call over hundreds of
+    tensors), with the written tensors' version counters bumped here instead."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        result = op(*args)
+    for i in _written(op):
+        torch.autograd.graph.increment_version(args[i])
+    return result
+
+
 def _pairs_ok(params, grads):
     """All of _check_tensor_pairs's conditions in one pass without messages (the per-call fast
     path); returns (ok, common device)."""
@@ -117,7 +137,7 @@ def taylor_importance(
             raise ValueError("taylor_importance: accumulate=True needs an `out` tensor to add into")
         if n == 0:
             return torch.zeros(0, 2, dtype=torch.float32)
-        return torch.ops.adept_ext.taylor_importance.default(params, grads)
+        return _call_as_data(torch.ops.adept_ext.taylor_importance.default, params, grads)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"taylor_importance: out is a {type(out).__name__}, expected a torch.Tensor")
     if out.dtype != torch.float32 or tuple(out.shape) != (n, 2) or not out.is_contiguous():
@@ -128,7 +148,7 @@ def taylor_importance(
     if device is not None and out.device != device:
         raise ValueError(f"taylor_importance: out is on {out.device}, but the inputs are on {device}")
     if n > 0:
-        torch.ops.adept_ext.taylor_importance_out.default(params, grads, out, accumulate)
+        _call_as_data(torch.ops.adept_ext.taylor_importance_out.default, params, grads, out, accumulate)
     return out
 
 
@@ -350,7 +370,7 @@ def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     Not differentiable: the tensors are read as data (detached); the result never requires grad.
     """
     basis, grads, _ = _check_basis("null_space_coeffs", basis, grads, in_place=False)
-    return torch.ops.adept_ext.null_space_coeffs.default(_detached(basis), _detached(grads))
+    return _call_as_data(torch.ops.adept_ext.null_space_coeffs.default, _detached(basis), _detached(grads))
 
 
 def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], coeffs: torch.Tensor) -> None:
@@ -364,7 +384,7 @@ def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         raise ValueError(f"null_space_apply_: coeffs must be a float64 tensor of shape ({k},)")
     if coeffs.device != grads[0].device:
         raise ValueError(f"null_space_apply_: coeffs is on {coeffs.device}, the tensors on {grads[0].device}")
-    torch.ops.adept_ext.null_space_apply_.default(_detached(basis), _detached(grads), coeffs)
+    _call_as_data(torch.ops.adept_ext.null_space_apply_.default, _detached(basis), _detached(grads), coeffs)
 
 
 def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tensor], lam: float = 1.0,
@@ -388,7 +408,8 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
             raise ValueError(f"{name}: g_new[{i}] has shape {tuple(a.shape)} but g_pre[{i}] has {tuple(b.shape)}")
     if eps < 0:
         raise ValueError(f"{name}: eps must be >= 0, got {eps}")
-    return torch.ops.adept_ext.conflict_correct_.default(_detached(g_new), _detached(g_pre), float(lam), float(eps))
+    return _call_as_data(torch.ops.adept_ext.conflict_correct_.default, _detached(g_new), _detached(g_pre),
+                         float(lam), float(eps))
 
 
 @torch.library.register_fake("adept_ext::null_space_coeffs")
@@ -433,7 +454,7 @@ def _not_differentiable(name: str) -> RuntimeError:
 
 def _register_not_differentiable(name: str) -> None:
     op = getattr(torch.ops.adept_ext, name).default
-    written = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    written = _written(op)
     if not written:  # functional: the result may require grad, a backward through it raises
         def backward(ctx, *grads):
             raise _not_differentiable(name)
@@ -442,8 +463,7 @@ def _register_not_differentiable(name: str) -> None:
         return
 
     def autograd_kernel(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for a in args for t in (a if isinstance(a, list) else [a])):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             raise _not_differentiable(name)
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 

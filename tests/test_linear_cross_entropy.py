@@ -300,3 +300,11 @@ def test_torch_compile_fullgraph_backward(device):
     rh, rw = reference_grads(hidden, weight, targets, torch.full((12,), 1 / 12, device=device))
     torch.testing.assert_close(h.grad.double(), rh, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(w.grad.double(), rw, rtol=1e-5, atol=1e-7)
+
+
+def test_double_backward_raises():
+    hidden, weight, targets = make(5, 4, 6, "cpu")
+    h = hidden.requires_grad_()
+    (gh,) = torch.autograd.grad(linear_cross_entropy(h, weight, targets).sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy_backward.* no autograd formula"):
+        gh.sum().backward()
