@@ -196,7 +196,7 @@ def linear_cross_entropy(
     chunk on a CPU, 256 MiB of logits and at least 1024 rows on a GPU), so the peak extra memory
     is O(chunk_rows × V), never O(N × V). The GEMM runs in the inputs' dtype (as
     ``hidden @ weight.T`` would); the logsumexp is float32.
-    Differentiable with respect to hidden and weight (see `_linear_cross_entropy_backward`: the
+    Differentiable with respect to hidden and weight (see `linear_cross_entropy_backward`: the
     backward recomputes one chunk of logits at a time, so it never holds [N, V] either).
     Raises ValueError/TypeError on bad shapes, dtypes, devices and out-of-range targets.
     """
@@ -244,10 +244,9 @@ def _linear_cross_entropy_fake(hidden, weight, targets, ignore_index, chunk_rows
     return hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
 
 
-@torch.library.custom_op("adept_ext::linear_cross_entropy_backward", mutates_args=())
-def _linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                                   targets: torch.Tensor, ignore_index: int, chunk_rows: int,
-                                   need_hidden: bool, need_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                  targets: torch.Tensor, ignore_index: int, chunk_rows: int,
+                                  need_hidden: bool, need_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of Σ_i grad_loss_i · loss_i, chunk_rows rows at a time (0: `default_chunk_rows`).
 
     Per chunk the logits z = h Wᵀ are recomputed in the inputs' dtype and
@@ -278,7 +277,12 @@ def _linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
-@_linear_cross_entropy_backward.register_fake
+# An op of its own, so that torch.compile traces the backward as one node with a fake impl.
+_linear_cross_entropy_backward_op = torch.library.custom_op(
+    "adept_ext::linear_cross_entropy_backward", linear_cross_entropy_backward, mutates_args=())
+
+
+@_linear_cross_entropy_backward_op.register_fake
 def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, targets, ignore_index, chunk_rows,
                                         need_hidden, need_weight):
     return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
@@ -294,7 +298,7 @@ def _linear_cross_entropy_setup_context(ctx, inputs, output):
 def _linear_cross_entropy_grad(ctx, grad_loss):
     hidden, weight, targets = ctx.saved_tensors
     need_hidden, need_weight = ctx.needs_input_grad[:2]
-    grad_hidden, grad_weight = _linear_cross_entropy_backward(
+    grad_hidden, grad_weight = _linear_cross_entropy_backward_op(
         grad_loss, hidden, weight, targets, ctx.ignore_index, ctx.chunk_rows, need_hidden, need_weight)
     return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None, None, None
 

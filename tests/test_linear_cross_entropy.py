@@ -2,9 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from adept_ext import reference
-from adept_ext.ops import linear_cross_entropy
+from adept_ext.ops import linear_cross_entropy, linear_cross_entropy_backward
 from conftest import cuda_only
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -308,3 +309,30 @@ def test_double_backward_raises():
     (gh,) = torch.autograd.grad(linear_cross_entropy(h, weight, targets).sum(), h, create_graph=True)
     with pytest.raises(RuntimeError, match="linear_cross_entropy_backward.* no autograd formula"):
         gh.sum().backward()
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op creates while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_backward_never_holds_more_than_one_chunk_of_logits():
+    # N × V = 32000 logits; one chunk is 8 × 500; the gradients are 64 × 4 and 500 × 4
+    n, h, v, chunk = 64, 4, 500, 8
+    hidden, weight, targets = make(n, h, v, "cpu", ignore_every=5)
+    grad_loss = torch.randn(n)
+    with LargestTensor() as mode:
+        got = linear_cross_entropy_backward(grad_loss, hidden, weight, targets, -100, chunk, True, True)
+    assert mode.numel == chunk * v
+    for g, r in zip(got, reference_grads(hidden, weight, targets, grad_loss)):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
