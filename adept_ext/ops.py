@@ -1,7 +1,7 @@
 """Typed wrappers of the compiled ops: argument checks with clear messages, and the fake
 (meta) implementations that let the ops trace under torch.compile(fullgraph=True)."""
 import functools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -12,8 +12,30 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _detached(tensors):
     """The list itself when no tensor requires grad (the usual case: a detach per tensor costs a
-    few microseconds, which add up over hundreds of tensors per call), else detached views."""
+    few microseconds, which add up over hundreds of tensors per call), else detached views. The
+    wrappers of the ops that are not differentiable read their tensors through it (see the
+    Autograd section at the end of this file)."""
     return [t.detach() for t in tensors] if any(t.requires_grad for t in tensors) else tensors
+
+
+@functools.lru_cache(maxsize=None)
+def _written(op) -> Tuple[int, ...]:
+    """Indices of op's Tensor(a!) arguments (the ones it writes)."""
+    return tuple(i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _call_as_data(op, *args):
+    """op(*args) from the wrapper of an op that is not differentiable, on tensors it detached:
+    dispatched below the Python Autograd and ADInplaceOrView kernels registered at the end of this
+    file (each boxes every tensor of the lists into Python, tens of µs per call over hundreds of
+    tensors), with the written tensors' version counters bumped here instead."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        result = op(*args)
+    for i in _written(op):
+        torch.autograd.graph.increment_version(args[i])
+    return result
 
 
 def _pairs_ok(params, grads):
@@ -105,7 +127,8 @@ def taylor_importance(
     onto it when ``accumulate=True`` (no host synchronisation: a probe loop over batches
     accumulates Σ_b |θ⊙g_b| on the device). A call allocates no metadata buffer and copies
     nothing to the device, so it can be captured in a CUDA graph. Raises ValueError/TypeError, naming the offending
-    index, before anything is written.
+    index, before anything is written. Not differentiable: params and grads are read as data
+    (detached), so the result never requires grad, also for parameters that do.
     """
     params, grads, device = _check_tensor_pairs("taylor_importance", params, grads)
     n = len(params)
@@ -114,7 +137,7 @@ def taylor_importance(
             raise ValueError("taylor_importance: accumulate=True needs an `out` tensor to add into")
         if n == 0:
             return torch.zeros(0, 2, dtype=torch.float32)
-        return torch.ops.adept_ext.taylor_importance.default(params, grads)
+        return _call_as_data(torch.ops.adept_ext.taylor_importance.default, params, grads)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"taylor_importance: out is a {type(out).__name__}, expected a torch.Tensor")
     if out.dtype != torch.float32 or tuple(out.shape) != (n, 2) or not out.is_contiguous():
@@ -125,7 +148,7 @@ def taylor_importance(
     if device is not None and out.device != device:
         raise ValueError(f"taylor_importance: out is on {out.device}, but the inputs are on {device}")
     if n > 0:
-        torch.ops.adept_ext.taylor_importance_out.default(params, grads, out, accumulate)
+        _call_as_data(torch.ops.adept_ext.taylor_importance_out.default, params, grads, out, accumulate)
     return out
 
 
@@ -172,7 +195,9 @@ def linear_cross_entropy(
     ``chunk_rows`` at a time (default by the device, `default_chunk_rows`: about 2^23 logits per
     chunk on a CPU, 256 MiB of logits and at least 1024 rows on a GPU), so the peak extra memory
     is O(chunk_rows × V), never O(N × V). The GEMM runs in the inputs' dtype (as
-    ``hidden @ weight.T`` would); the logsumexp is float32. Forward only.
+    ``hidden @ weight.T`` would); the logsumexp is float32.
+    Differentiable with respect to hidden and weight (see `linear_cross_entropy_backward`: the
+    backward recomputes one chunk of logits at a time, so it never holds [N, V] either).
     Raises ValueError/TypeError on bad shapes, dtypes, devices and out-of-range targets.
     """
     name = "linear_cross_entropy"
@@ -198,9 +223,9 @@ def linear_cross_entropy(
                          f"{hidden.device}, {weight.device}, {targets.device}")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"{name}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
-    if hidden.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.float32, device=hidden.device)
     if weight.shape[0] == 0:
+        if hidden.shape[0] == 0:
+            return torch.zeros(0, dtype=torch.float32, device=hidden.device)
         raise ValueError(f"{name}: weight has no rows (vocabulary of size 0)")
     if not torch.compiler.is_compiling():
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= weight.shape[0]))
@@ -210,13 +235,76 @@ def linear_cross_entropy(
                              f"and is not ignore_index ({ignore_index})")
     _check_device_arch(hidden.device)
     return torch.ops.adept_ext.linear_cross_entropy.default(
-        hidden.detach(), weight.detach(), targets, ignore_index,
+        hidden, weight, targets, ignore_index,
         chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, hidden.dtype))
 
 
 @torch.library.register_fake("adept_ext::linear_cross_entropy")
 def _linear_cross_entropy_fake(hidden, weight, targets, ignore_index, chunk_rows):
     return hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
+
+
+def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                  targets: torch.Tensor, ignore_index: int, chunk_rows: int,
+                                  need_hidden: bool, need_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of Σ_i grad_loss_i · loss_i, chunk_rows rows at a time (0: `default_chunk_rows`).
+
+    Per chunk the logits z = h Wᵀ are recomputed in the inputs' dtype and
+    D = grad_loss[:, None] · (softmax(z) − onehot(t)) is formed in float32 (0 at ignored rows);
+    then grad_hidden = D W and grad_weight = Σ_chunks Dᵀ h (D cast to the inputs' dtype for both
+    GEMMs, grad_weight summed in float32). Returns (grad_hidden, grad_weight) in the inputs'
+    dtype; one that is not needed is an empty tensor. Peak extra memory O(chunk_rows × V).
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    chunk = chunk_rows or default_chunk_rows(vocab, hidden.device, hidden.dtype)
+    ignored = targets == ignore_index
+    scale = grad_loss.float()
+    safe_targets = targets.masked_fill(ignored, 0)
+    grad_hidden = hidden.new_empty(hidden.shape if need_hidden else (0,))
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight \
+        else weight.new_empty(0)
+    for r0 in range(0, n, chunk):
+        h = hidden[r0:r0 + chunk]
+        d = torch.softmax(h @ weight.T, dim=1, dtype=torch.float32)
+        d[torch.arange(h.shape[0], device=d.device), safe_targets[r0:r0 + chunk]] -= 1
+        d = d.mul_(scale[r0:r0 + chunk, None]).masked_fill_(ignored[r0:r0 + chunk, None], 0).to(hidden.dtype)
+        if need_hidden:
+            torch.mm(d, weight, out=grad_hidden[r0:r0 + chunk])
+        if need_weight and d.dtype == torch.float32:
+            grad_weight.addmm_(d.T, h)
+        elif need_weight:  # a bfloat16/float16 GEMM per chunk, summed in float32
+            grad_weight.add_(d.T @ h)
+    return grad_hidden, grad_weight.to(weight.dtype)
+
+
+# An op of its own, so that torch.compile traces the backward as one node with a fake impl.
+_linear_cross_entropy_backward_op = torch.library.custom_op(
+    "adept_ext::linear_cross_entropy_backward", linear_cross_entropy_backward, mutates_args=())
+
+
+@_linear_cross_entropy_backward_op.register_fake
+def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, targets, ignore_index, chunk_rows,
+                                        need_hidden, need_weight):
+    return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
+            weight.new_empty(weight.shape if need_weight else (0,)))
+
+
+def _linear_cross_entropy_setup_context(ctx, inputs, output):
+    hidden, weight, targets, ignore_index, chunk_rows = inputs
+    ctx.save_for_backward(hidden, weight, targets)  # no logits and no [N, V] buffer: recomputed per chunk
+    ctx.ignore_index, ctx.chunk_rows = ignore_index, chunk_rows
+
+
+def _linear_cross_entropy_grad(ctx, grad_loss):
+    hidden, weight, targets = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    grad_hidden, grad_weight = _linear_cross_entropy_backward_op(
+        grad_loss, hidden, weight, targets, ctx.ignore_index, ctx.chunk_rows, need_hidden, need_weight)
+    return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None, None, None
+
+
+torch.library.register_autograd("adept_ext::linear_cross_entropy", _linear_cross_entropy_grad,
+                                setup_context=_linear_cross_entropy_setup_context)
 
 
 BASIS_DTYPES = (torch.float32, torch.bfloat16)
@@ -283,20 +371,24 @@ def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     float64 [k] with c_j = Σ_i ⟨basis_i[j], grads_i⟩, accumulated in float32 per 8192-element chunk
     and float64 across chunks in a fixed order (deterministic). Any k: no kernel keeps k values in
     shared memory (the CUDA kernels hold the coefficients in registers, 8 at a time).
+    Not differentiable: the tensors are read as data (detached); the result never requires grad.
     """
     basis, grads, _ = _check_basis("null_space_coeffs", basis, grads, in_place=False)
-    return torch.ops.adept_ext.null_space_coeffs.default(_detached(basis), _detached(grads))
+    return _call_as_data(torch.ops.adept_ext.null_space_coeffs.default, _detached(basis), _detached(grads))
 
 
 def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], coeffs: torch.Tensor) -> None:
     """In place, grads_i ← grads_i − Σ_j coeffs_j · basis_i[j] (g ← g − Q c, SPEC §2).
-    coeffs: float64 [k] on the tensors' device; grads must be contiguous."""
+    coeffs: float64 [k] on the tensors' device; grads must be contiguous. Not differentiable: the
+    tensors are updated as data (as an optimizer step updates parameters, also ones that require
+    grad); their version counters are bumped, so a tensor saved for backward and then changed here
+    makes that backward raise."""
     basis, grads, k = _check_basis("null_space_apply_", basis, grads, in_place=True)
     if not isinstance(coeffs, torch.Tensor) or coeffs.dtype != torch.float64 or tuple(coeffs.shape) != (k,):
         raise ValueError(f"null_space_apply_: coeffs must be a float64 tensor of shape ({k},)")
     if coeffs.device != grads[0].device:
         raise ValueError(f"null_space_apply_: coeffs is on {coeffs.device}, the tensors on {grads[0].device}")
-    torch.ops.adept_ext.null_space_apply_.default(_detached(basis), _detached(grads), coeffs)
+    _call_as_data(torch.ops.adept_ext.null_space_apply_.default, _detached(basis), _detached(grads), coeffs)
 
 
 def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tensor], lam: float = 1.0,
@@ -305,6 +397,7 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
     with d = ⟨g_new, g_pre⟩, if d < −eps·‖g_new‖·‖g_pre‖ then g_new ← g_new − (d/‖g_pre‖²)·g_pre;
     then g_new ← g_new + lam·g_pre. The branch is decided on the device (no host sync).
     Returns float64 [4]: d, ‖g_pre‖², ‖g_new‖² (before the update) and the removed coefficient.
+    Not differentiable, like `null_space_apply_` (g_new's version counters are bumped).
     """
     name = "conflict_correct_"
     g_new, g_pre = list(g_new), list(g_pre)
@@ -319,7 +412,8 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
             raise ValueError(f"{name}: g_new[{i}] has shape {tuple(a.shape)} but g_pre[{i}] has {tuple(b.shape)}")
     if eps < 0:
         raise ValueError(f"{name}: eps must be >= 0, got {eps}")
-    return torch.ops.adept_ext.conflict_correct_.default(_detached(g_new), _detached(g_pre), float(lam), float(eps))
+    return _call_as_data(torch.ops.adept_ext.conflict_correct_.default, _detached(g_new), _detached(g_pre),
+                         float(lam), float(eps))
 
 
 @torch.library.register_fake("adept_ext::null_space_coeffs")
@@ -335,3 +429,56 @@ def _null_space_apply_fake(basis, grads, coeffs):
 @torch.library.register_fake("adept_ext::conflict_correct_")
 def _conflict_correct_fake(g_new, g_pre, lam, eps):
     return g_new[0].new_empty((4,), dtype=torch.float64)
+
+
+# Autograd of the ops that are not differentiable. Their results are statistics of parameters and
+# gradients (Taylor sums, projection coefficients) or in-place updates of them, so there is no
+# gradient to give, and a silent None (PyTorch's default for an op without a formula) would hide
+# the mistake. The raw ops therefore raise: the functional ones when a backward reaches them, the
+# in-place ones when they are called on a tensor that requires grad with grad mode on. The
+# wrappers above read their inputs as data (detached: the results never require grad, and the
+# in-place ones update their tensors as an optimizer step does). The in-place ops bump the version
+# counters of the tensors they write (also through the wrappers' detached aliases, which share
+# them), so autograd detects a tensor that was saved for backward and then changed.
+_LIB = torch.library.Library("adept_ext", "IMPL")
+NOT_DIFFERENTIABLE = {
+    "taylor_importance": "Taylor importance sums are statistics of parameters and gradients",
+    "null_space_coeffs": "projection coefficients of gradients have no gradient of their own",
+    "taylor_importance_out": "Taylor importance sums are statistics of parameters and gradients",
+    "null_space_apply_": "it updates gradients or parameters in place, as an optimizer step does",
+    "conflict_correct_": "it updates gradients in place, as an optimizer step does",
+}
+
+
+def _not_differentiable(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"adept_ext.{name} is not differentiable ({NOT_DIFFERENTIABLE[name]}): call it on detached "
+        "tensors or under torch.no_grad(), as the adept_ext.ops wrapper does")
+
+
+def _register_not_differentiable(name: str) -> None:
+    op = getattr(torch.ops.adept_ext, name).default
+    written = _written(op)
+    if not written:  # functional: the result may require grad, a backward through it raises
+        def backward(ctx, *grads):
+            raise _not_differentiable(name)
+
+        torch.library.register_autograd(op, backward, lib=_LIB)
+        return
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            raise _not_differentiable(name)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    def version_bump_kernel(keyset, *args):
+        for i in written:
+            torch.autograd.graph.increment_version(args[i])
+        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args)
+
+    _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    _LIB.impl(name, version_bump_kernel, "ADInplaceOrView", with_keyset=True)
+
+
+for _name in NOT_DIFFERENTIABLE:
+    _register_not_differentiable(_name)

@@ -23,8 +23,9 @@ def taylor_importance(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100) -> torch.Tensor:
     """Per-row cross-entropy of hidden @ weight.T against targets (0 at ignored rows), float64 [N]
-    (SPEC §1.1: the loss of every probe variant)."""
-    logits = hidden.detach().double() @ weight.detach().double().T
+    (SPEC §1.1: the loss of every probe variant). Differentiable: autograd through it in float64
+    is the reference of the op's backward."""
+    logits = hidden.double() @ weight.double().T
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
 
 

@@ -2,9 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from adept_ext import reference
-from adept_ext.ops import linear_cross_entropy
+from adept_ext.ops import linear_cross_entropy, linear_cross_entropy_backward
 from conftest import cuda_only
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -174,3 +175,164 @@ def test_error_chunk_rows():
     hidden, weight, targets = make(4, 8, 20, "cpu")
     with pytest.raises(ValueError, match="chunk_rows"):
         linear_cross_entropy(hidden, weight, targets, chunk_rows=0)
+
+
+# Autograd: the backward recomputes the logits chunk by chunk; judged against float64 autograd
+# through reference.linear_cross_entropy.
+
+def reference_grads(hidden, weight, targets, grad_loss, ignore_index=-100):
+    """float64 (∂/∂hidden, ∂/∂weight) of Σ_i grad_loss_i · loss_i, by autograd through the reference."""
+    h, w = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    loss = reference.linear_cross_entropy(h, w, targets, ignore_index)
+    return torch.autograd.grad(loss, (h, w), grad_loss.double())
+
+
+def ours_and_plain_torch_grads(hidden, weight, targets, grad_loss, ignore_index=-100, chunk=None):
+    h, w = (t.detach().requires_grad_() for t in (hidden, weight))
+    ours = torch.autograd.grad(linear_cross_entropy(h, w, targets, ignore_index, chunk), (h, w), grad_loss)
+    plain = torch.autograd.grad(F.cross_entropy(h @ w.T, targets, ignore_index=ignore_index, reduction="none"),
+                                (h, w), grad_loss.to(h.dtype))
+    return ours, plain
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,h,v,chunk", [(1, 8, 5, None), (37, 64, 1000, 7), (130, 33, 517, None), (64, 16, 3, 64),
+                                         (50, 24, 301, 1)])
+def test_gradients_match_reference(device, dtype, n, h, v, chunk):
+    hidden, weight, targets = make(n, h, v, device, dtype, ignore_every=5)
+    grad_loss = torch.randn(n, device=device)
+    ours, plain = ours_and_plain_torch_grads(hidden, weight, targets, grad_loss, chunk=chunk)
+    exact = reference_grads(hidden, weight, targets, grad_loss)
+    for got, torch_got, ref, like in zip(ours, plain, exact, (hidden, weight)):
+        assert got.dtype == dtype and got.shape == like.shape
+        err = (got.double() - ref).abs()
+        if dtype == torch.float32:
+            assert err.max() <= 2e-5 * ref.abs().max() + 1e-7, (err.max(), ref.abs().max())
+        else:  # judged against plain PyTorch autograd in the same precision
+            err_torch = (torch_got.double() - ref).abs()
+            assert err.mean() <= 2 * err_torch.mean() + 1e-6, (err.mean(), err_torch.mean())
+    assert (ours[0][targets == -100] == 0).all()  # an ignored row gets no gradient
+
+
+@pytest.mark.parametrize("ignore_index", [7, 10**6])
+def test_gradients_with_custom_ignore_index(device, ignore_index):
+    # 7 is a class (rows with target 7 are ignored; other rows' softmax still covers class 7);
+    # 10**6 lies outside [0, V)
+    hidden, weight, targets = make(30, 16, 20, device)
+    targets[::3] = ignore_index
+    grad_loss = torch.randn(30, device=device)
+    (gh, gw), _ = ours_and_plain_torch_grads(hidden, weight, targets, grad_loss, ignore_index, chunk=4)
+    rh, rw = reference_grads(hidden, weight, targets, grad_loss, ignore_index)
+    torch.testing.assert_close(gh.double(), rh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw.double(), rw, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_into_leaves_and_only_what_is_needed(device):
+    # .backward() through a mean over the valid rows, as a training loop uses it; a frozen weight
+    # gets no gradient and hidden's still matches
+    hidden, weight, targets = make(20, 8, 30, device, ignore_every=3)
+    valid = (targets != -100).sum()
+    for frozen in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(not frozen)
+        (linear_cross_entropy(h, w, targets, chunk_rows=6).sum() / valid).backward()
+        rh, rw = reference_grads(hidden, weight, targets, torch.full((20,), 1 / valid, device=device))
+        torch.testing.assert_close(h.grad.double(), rh, rtol=1e-5, atol=1e-7)
+        if frozen:
+            assert w.grad is None
+        else:
+            torch.testing.assert_close(w.grad.double(), rw, rtol=1e-5, atol=1e-7)
+
+
+def test_backward_of_empty_rows_and_all_ignored(device):
+    for n, fill in ((0, None), (6, -100)):
+        hidden, weight, targets = make(n, 8, 20, device)
+        if fill is not None:
+            targets.fill_(fill)
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        gh, gw = torch.autograd.grad(linear_cross_entropy(h, w, targets).sum(), (h, w))
+        assert gh.shape == (n, 8) and gw.shape == (20, 8) and not gh.any() and not gw.any()
+
+
+def test_finite_difference_gradcheck():
+    # The op has no float64 kernel: float32 central differences on a tiny, well-scaled problem
+    # (truncation ~eps², rounding ~1e-7/eps), one ignored row, three chunks
+    hidden, weight, targets = make(5, 4, 6, "cpu")
+    targets[2] = -100
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    with pytest.warns(UserWarning, match="double precision"):
+        assert torch.autograd.gradcheck(lambda a, b: linear_cross_entropy(a, b, targets, chunk_rows=2), (h, w),
+                                        eps=1e-2, atol=1e-3, rtol=1e-2)
+
+
+def test_backward_with_inf_logits_stays_finite_at_ignored_rows(device):
+    # an ignored row whose logits overflow contributes exactly 0, not NaN, to both gradients
+    hidden, weight, targets = make(4, 8, 10, device)
+    hidden[1] = 3e38
+    targets[1] = -100
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    gh, gw = torch.autograd.grad(linear_cross_entropy(h, w, targets).sum(), (h, w))
+    assert torch.isfinite(gw).all() and not gh[1].any()
+
+
+@pytest.mark.parametrize("needs", [(True, True), (False, True), (True, False)])
+def test_opcheck_requires_grad(device, needs):
+    hidden, weight, targets = make(9, 8, 20, device, ignore_every=4)
+    hidden.requires_grad_(needs[0])
+    weight.requires_grad_(needs[1])
+    torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy.default, (hidden, weight, targets, -100, 4))
+
+
+def test_opcheck_backward_op(device):
+    hidden, weight, targets = make(9, 8, 20, device, ignore_every=4)
+    for need in ((True, True), (False, True)):
+        torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy_backward.default,
+                              (torch.randn(9, device=device), hidden, weight, targets, -100, 4, *need))
+
+
+def test_torch_compile_fullgraph_backward(device):
+    hidden, weight, targets = make(12, 8, 20, device, ignore_every=5)
+
+    @torch.compile(fullgraph=True, backend="aot_eager", dynamic=True)
+    def mean_loss(h, w, t):
+        return linear_cross_entropy(h, w, t, chunk_rows=5).mean()
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    mean_loss(h, w, targets).backward()
+    rh, rw = reference_grads(hidden, weight, targets, torch.full((12,), 1 / 12, device=device))
+    torch.testing.assert_close(h.grad.double(), rh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad.double(), rw, rtol=1e-5, atol=1e-7)
+
+
+def test_double_backward_raises():
+    hidden, weight, targets = make(5, 4, 6, "cpu")
+    h = hidden.requires_grad_()
+    (gh,) = torch.autograd.grad(linear_cross_entropy(h, weight, targets).sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy_backward.* no autograd formula"):
+        gh.sum().backward()
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op creates while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_backward_never_holds_more_than_one_chunk_of_logits():
+    # N × V = 32000 logits; one chunk is 8 × 500; the gradients are 64 × 4 and 500 × 4
+    n, h, v, chunk = 64, 4, 500, 8
+    hidden, weight, targets = make(n, h, v, "cpu", ignore_every=5)
+    grad_loss = torch.randn(n)
+    with LargestTensor() as mode:
+        got = linear_cross_entropy_backward(grad_loss, hidden, weight, targets, -100, chunk, True, True)
+    assert mode.numel == chunk * v
+    for g, r in zip(got, reference_grads(hidden, weight, targets, grad_loss)):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)

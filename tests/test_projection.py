@@ -409,3 +409,61 @@ def test_projector_errors():
     NullSpaceProjector(opt, mem, where="grad")
     with pytest.raises(ValueError, match="no gradient"):
         opt.step()
+
+
+def test_raw_ops_are_not_differentiable(device):
+    basis, grads = orthonormal_basis(SHAPES, 3, device), [g.requires_grad_() for g in rand_list(SHAPES, device)]
+    c = torch.ops.adept_ext.null_space_coeffs.default(basis, grads)
+    torch.testing.assert_close(c.detach().cpu(), reference.null_space_coeffs(basis, grads), rtol=1e-5,
+                               atol=1e-5 * flat(grads).norm().item())
+    with pytest.raises(RuntimeError, match="adept_ext.null_space_coeffs is not differentiable"):
+        c.sum().backward()
+    c = c.detach()
+    with pytest.raises(RuntimeError, match="adept_ext.null_space_apply_ is not differentiable"):
+        torch.ops.adept_ext.null_space_apply_.default(basis, grads, c)
+    with pytest.raises(RuntimeError, match="adept_ext.conflict_correct_ is not differentiable"):
+        torch.ops.adept_ext.conflict_correct_.default(grads, rand_list(SHAPES, device), 1.0, 1e-6)
+    with torch.no_grad():  # as an optimizer step: allowed, and the update is the reference's
+        expected = reference.null_space_project(basis, grads, c)
+        torch.ops.adept_ext.null_space_apply_.default(basis, grads, c)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g.detach().double().cpu(), e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["apply", "conflict"])
+@pytest.mark.parametrize("raw", [False, True])
+def test_in_place_ops_bump_version_counters(device, op, raw):
+    # A tensor saved for a backward and then changed by the op makes that backward raise, through
+    # the raw op and through the wrapper (whose detached aliases share the version counter)
+    basis, grads = orthonormal_basis(SHAPES, 3, device), rand_list(SHAPES, device)
+    w = torch.ones(SHAPES[0], device=device, requires_grad=True)
+    y = (w * grads[0]).sum()  # saves grads[0]
+    versions = [g._version for g in grads]
+    if op == "apply":
+        c = null_space_coeffs(basis, grads)
+        (torch.ops.adept_ext.null_space_apply_.default if raw else null_space_apply_)(basis, grads, c)
+    else:
+        args = (grads, rand_list(SHAPES, device), 1.0, 1e-6)
+        (torch.ops.adept_ext.conflict_correct_.default if raw else conflict_correct_)(*args)
+    assert all(g._version > v for g, v in zip(grads, versions))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_wrapper_updates_parameters_in_place_under_grad_mode(device):
+    # NullSpaceProjector's update projection writes into parameters (requires_grad=True) as data
+    params = [torch.nn.Parameter(t) for t in rand_list(SHAPES, device)]
+    basis = orthonormal_basis(SHAPES, 2, device)
+    c = null_space_coeffs(basis, params)
+    expected = reference.null_space_project(basis, params, c)
+    null_space_apply_(basis, params, c)
+    for p, e in zip(params, expected):
+        assert p.requires_grad and p.grad_fn is None
+        torch.testing.assert_close(p.detach().double().cpu(), e, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_requires_grad(device):
+    # test_aot_dispatch_dynamic is left out: its backward through the op raises by design
+    basis, grads = orthonormal_basis(SHAPES, 3, device), [g.requires_grad_() for g in rand_list(SHAPES, device)]
+    torch.library.opcheck(torch.ops.adept_ext.null_space_coeffs.default, (basis, grads),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -309,3 +309,43 @@ def test_error_accumulate_without_out():
 
 def test_cuda_available_is_a_bool():
     assert isinstance(adept_ext.cuda_available(), bool)
+
+
+def test_raw_ops_are_not_differentiable(device):
+    # No silent None gradient: a backward through the raw op raises, and the in-place variant
+    # refuses inputs that require grad under grad mode (the wrapper reads them as data)
+    params, grads = make_pairs([6, (2, 3)], device)
+    params = [p.requires_grad_() for p in params]
+    got = torch.ops.adept_ext.taylor_importance.default(params, grads)
+    assert_close_to_reference(params, grads, got.detach())
+    with pytest.raises(RuntimeError, match="adept_ext.taylor_importance is not differentiable"):
+        got.sum().backward()
+    out = torch.zeros(2, 2, device=device)
+    with pytest.raises(RuntimeError, match="adept_ext.taylor_importance_out is not differentiable"):
+        torch.ops.adept_ext.taylor_importance_out.default(params, grads, out, False)
+    assert not out.any()
+    with torch.no_grad():
+        torch.ops.adept_ext.taylor_importance_out.default(params, grads, out, False)
+    assert_close_to_reference(params, grads, out)
+
+
+def test_out_bumps_its_version_counter(device):
+    # `out` saved for a backward and then overwritten: that backward raises, as after out.add_()
+    params, grads = make_pairs([5], device)
+    out = torch.zeros(1, 2, device=device)
+    w = torch.ones(1, 2, device=device, requires_grad=True)
+    y = (w * out).sum()
+    version = out._version
+    taylor_importance(params, grads, out=out)
+    assert out._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_opcheck_requires_grad(device):
+    # test_aot_dispatch_dynamic is left out: it backpropagates through the op, which raises by
+    # design (test_raw_ops_are_not_differentiable); test_opcheck runs it on plain inputs
+    params, grads = make_pairs([7, (3, 4)], device)
+    params = [p.requires_grad_() for p in params]
+    torch.library.opcheck(torch.ops.adept_ext.taylor_importance.default, (params, grads),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
