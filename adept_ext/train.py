@@ -458,8 +458,11 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         step = train_steps(trained, method, setup, optimizer, scheduler, corpora.domain_train, cfg, device, bf16,
                            history, step, f"training ({cfg.method})", progress, after_step)
     except KeyboardInterrupt:
-        save_checkpoint()
-        log(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
+        if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
+            log(f"interrupted at step {step}: continue from the last checkpoint in {out} with --resume")
+        else:
+            save_checkpoint()
+            log(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
         raise
     stage("train", t0, steps=step, tokens=step * cfg.grad_accum * cfg.batch_size * cfg.block_len)
 

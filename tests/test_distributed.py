@@ -241,3 +241,47 @@ def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_works
     for name, value in saved.state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5)
     assert sorted(p.name for p in (tmp_path / "fsdp").iterdir()) == sorted(p.name for p in (tmp_path / "single").iterdir())
+
+
+def _killed_run_worker(rank, world, port, options, result_file):
+    """`_run_worker` killed by a KeyboardInterrupt on every rank at the first mid-run evaluation."""
+    import adept_ext.train as train_module
+
+    real_evaluate, calls = train_module.evaluate, []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # base general, base domain, then the first mid-run evaluation
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    train_module.evaluate = interrupting
+    with pytest.raises(KeyboardInterrupt):
+        _run_worker(rank, world, port, options, result_file)
+
+
+def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
+    """An FSDP2 run killed at step 3 resumes from its DCP checkpoint of step 2 (weights and AdamW
+    state in per-rank shards, the rest in checkpoint.pt) and ends where one uninterrupted process
+    ends; the finished run keeps no shards."""
+    from adept_ext.train import config_from, run
+
+    ws = run_workspace
+    options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
+                   method="adept", k=2, block_len=32, batch_size=2, steps=4, warmup_steps=1, probe_blocks=2,
+                   eval_blocks=3, eval_every=3, save_every=2, recompute_every=2, lr=1e-3)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
+                 log=lambda *a: None)
+    sharded = {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}
+    mp.spawn(_killed_run_worker, args=(2, _free_port(), sharded, str(tmp_path / "r")), nprocs=2, join=True)
+    checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
+    assert checkpoint["step"] == 2 and "optimizer" not in checkpoint and "trainable" not in checkpoint
+    assert sorted(p.name for p in (tmp_path / "fsdp" / checkpoint["shards"]).iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    mp.spawn(_run_worker, args=(2, _free_port(), {**sharded, "resume": True}, str(tmp_path / "r")), nprocs=2,
+             join=True)
+    r0 = torch.load(tmp_path / "r.0")
+    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
+    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
+    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+    assert not list((tmp_path / "fsdp").glob("checkpoint*"))
