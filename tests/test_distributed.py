@@ -285,3 +285,57 @@ def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
     assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
     assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
     assert not list((tmp_path / "fsdp").glob("checkpoint*"))
+
+
+def _spawn_with_timeout(fn, args, timeout=240):
+    """mp.spawn of 2 processes that fails (instead of hanging) when they have not finished in `timeout` s."""
+    import time
+
+    context = mp.spawn(fn, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # False: a process still runs
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {timeout} s (deadlock?)")
+
+
+def _sharded_probe_worker(rank, world, init_file, result_file, n_batches):
+    from torch.distributed.fsdp import fully_shard
+
+    from adept_ext.expand import expand_layers
+    from adept_ext.units import UnitImportance
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = tiny_model("qwen3", layers=4)
+        expand_layers(model, [0, 2])
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        batches = padded_batches(n_batches=n_batches)  # odd: rank 0 takes one batch more than rank 1
+        scores = layer_importance(model, batches, progress=False)
+        units = UnitImportance(model, batches).raw_scores(use_source=True)
+        torch.save({"layers": scores.scores + [scores.base_loss, scores.tokens], "units": units}, f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_probe_and_units_on_an_fsdp2_model_with_unequal_batch_counts_finish_and_equal_one_process(tmp_path):
+    """3 probe batches on 2 ranks of a fully_shard model: the ranks make the same collective calls
+    (the probe pads rank 1 with a zero-weight batch, unit importance runs every batch on every
+    rank), so they finish (timeout) with the single-process scores."""
+    from adept_ext.expand import expand_layers
+    from adept_ext.units import UnitImportance
+
+    _spawn_with_timeout(_sharded_probe_worker, (2, str(tmp_path / "init"), str(tmp_path / "out"), 3))
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    assert r0 == r1
+    model = tiny_model("qwen3", layers=4)
+    expand_layers(model, [0, 2])
+    single = layer_importance(model, padded_batches(n_batches=3), progress=False)
+    torch.testing.assert_close(torch.tensor(r0["layers"], dtype=torch.float64),
+                               torch.tensor(single.scores + [single.base_loss, single.tokens], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    units = UnitImportance(model, padded_batches(n_batches=3)).raw_scores(use_source=True)
+    torch.testing.assert_close(torch.tensor(r0["units"]), torch.tensor(units), rtol=1e-4, atol=1e-9)
