@@ -98,23 +98,32 @@ def test_projection_under_ddp_is_identical_on_all_ranks(tmp_path):
     assert r0["err"] <= 1e-5
 
 
-def _projection_sharded_worker(rank, world, init_file, result_file):
+def _projection_sharded_worker(rank, world, init_file, result_file, hsdp):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from adept_ext.projection import GradientMemory
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        # HSDP: replicated along the first dimension (2 ranks), sharded along the second (1 rank);
+        # else a 1-D mesh with the second parameter replicated and the others sharded
+        mesh = init_device_mesh("cpu", (world, 1) if hsdp else (world,))
+        placements = [[Replicate(), Shard(0)]] * 3 if hsdp else [[Shard(0)], [Replicate()], [Shard(0)]]
         full_params, full_dirs, full_grads = _sharding_data()
-        shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
-        params = [torch.nn.Parameter(shard(p)) for p in full_params]
+        shard = lambda ts: [distribute_tensor(t, mesh, pl) for t, pl in zip(ts, placements)]  # noqa: E731
+        params = [torch.nn.Parameter(p) for p in shard(full_params)]
         mem = GradientMemory(params, max_directions=3)
-        mem.add([[shard(t) for t in d] for d in full_dirs])
-        grads = [shard(g.clone()) for g in full_grads]
+        mem.add([shard(d) for d in full_dirs])
+        state = mem.state_dict()  # whole directions, gathered from every shard
+        reloaded = GradientMemory(params, max_directions=3)
+        reloaded.load_state_dict(state)
+        grads = shard([g.clone() for g in full_grads])
+        again = shard([g.clone() for g in full_grads])
         mem.project_(grads)
-        torch.save([g.full_tensor() for g in grads], f"{result_file}.{rank}")
+        reloaded.project_(again)
+        torch.save({"grads": [g.full_tensor() for g in grads], "reloaded": [g.full_tensor() for g in again],
+                    "storage": state["storage"]}, f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -126,17 +135,27 @@ def _sharding_data():
             [torch.randn(s) for s in shapes])
 
 
-def test_projection_with_sharded_parameters_all_reduces_partial_sums(tmp_path):
+@pytest.mark.parametrize("hsdp", [False, True], ids=["mesh-2-shard-and-replicate", "hsdp-mesh-2x1"])
+def test_projection_with_sharded_parameters_all_reduces_partial_sums(tmp_path, hsdp):
+    """Shard(0) and Replicate parameters on a 2-rank mesh, and the HSDP-shaped 2x1 mesh (Replicate,
+    Shard(0)), where what is replicated must not be summed once per rank: both project as one
+    process does, and the memory's state dict
+    holds the whole directions (a memory loaded from it projects the same)."""
     from adept_ext.projection import GradientMemory
 
-    mp.spawn(_projection_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    mp.spawn(_projection_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), hsdp), nprocs=2,
+             join=True)
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
     params, dirs, grads = _sharding_data()
     single = GradientMemory([torch.nn.Parameter(p) for p in params], max_directions=3)
     single.add(dirs)
+    storage = single.state_dict()["storage"]
     single.project_(grads)
-    for a, b, want in zip(r0, r1, grads):
-        assert torch.equal(a, b)
+    for a, b, again, want in zip(r0["grads"], r1["grads"], r0["reloaded"], grads):
+        assert torch.equal(a, b) and torch.equal(a, again)
+        torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
+    for a, b, want in zip(r0["storage"], r1["storage"], storage):
+        assert a.shape == want.shape and torch.equal(a, b)
         torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
 
 
