@@ -358,3 +358,21 @@ def test_probe_and_units_on_an_fsdp2_model_with_unequal_batch_counts_finish_and_
                                rtol=1e-5, atol=1e-6)
     units = UnitImportance(model, padded_batches(n_batches=3)).raw_scores(use_source=True)
     torch.testing.assert_close(torch.tensor(r0["units"]), torch.tensor(units), rtol=1e-4, atol=1e-9)
+
+
+def test_fsdp2_refuses_what_it_cannot_shard_before_any_work(monkeypatch):
+    """One error line, before anything is loaded: fsdp2 without torchrun's processes, a method
+    whose hooks need whole weights, the continual runner, an unknown engine."""
+    from adept_ext import continual, train
+    from adept_ext.rundir import RunError
+
+    with pytest.raises(RunError, match="torchrun --nproc-per-node"):
+        train.config_from({"parallel": "fsdp2"})
+    with pytest.raises(RunError, match="parallel must be one of ddp, fsdp2"):
+        train.config_from({"parallel": "zero3"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RunError, match="method lora cannot .* FSDP2 .*--parallel ddp"):
+        train.config_from({"parallel": "fsdp2", "method": "lora"})
+    with pytest.raises(RunError, match="--parallel ddp for continual"):
+        continual.config_from({"parallel": "fsdp2", "method": "seq_full"})
+    assert train.config_from({"parallel": "fsdp2", "method": "adept"}).parallel == "fsdp2"
