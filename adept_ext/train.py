@@ -156,14 +156,15 @@ def _use_bf16(cfg, device) -> bool:
     return cfg.bf16 == "on" or (cfg.bf16 == "auto" and supported)
 
 
-def _check_memory(cfg, model, bf16: bool = False, trainable: int = 0):
+def _check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1):
     """Refuse a run that will not fit in the available memory: the weights, the gradient and two
-    AdamW moments (fp32) of the `trainable` parameters, and one micro-batch's activations (halved
-    under bf16 autocast). Called before anything is written (trainable = 0: can the model run at
-    all?) and again once the method has chosen what trains. The estimate is in the message."""
+    AdamW moments (fp32) of the `trainable` parameters (divided among `shards` ranks under FSDP2),
+    and one micro-batch's activations (halved under bf16 autocast). Called before anything is
+    written (trainable = 0: can the model run at all?) and again once the method has chosen what
+    trains. The estimate is in the message."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = trainable * 4 * 3
+    optimizer = trainable * 4 * 3 // shards
     per_token = 4 * c.num_hidden_layers * (16 * c.hidden_size + 4 * c.intermediate_size) + 8 * c.vocab_size
     activations = cfg.batch_size * cfg.block_len * per_token // (2 if bf16 else 1)
     need = weights + optimizer + activations
@@ -367,7 +368,8 @@ def shard(model, setup, bf16: bool):
 
 def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     """All stages of a run; returns the report (also written to `cfg.out`). Under torchrun
-    (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel and rank 0 writes."""
+    (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel (or FSDP2 under
+    `parallel="fsdp2"`) and rank 0 writes."""
     device = _device(cfg)
     return parallel.run_on_ranks(device, lambda progress_, log_: _run(cfg, device, progress_, log_), progress, log)
 
@@ -413,14 +415,14 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     setup = method.prepare(model, ctx, layers=checkpoint["layers"] if checkpoint else None)
     total_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in setup.trainable)
-    _check_memory(cfg, model, bf16, n_trainable)
+    _check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
     stage("prepare", t0, layers=setup.layers, trainable_parameters=n_trainable,
           trainable_fraction=n_trainable / total_params)
     if main:
         method.write_artifacts(out)
     log(f"{cfg.method}: {setup.summary}; trainable {n_trainable / 1e6:.1f}M ({n_trainable / total_params:.1%})")
 
-    if cfg.parallel == "fsdp2" and parallel.world_size() > 1:
+    if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
         setup = shard(model, setup, bf16)
         trained = model
     else:

@@ -183,6 +183,22 @@ def _run_worker(rank, world, port, options, result_file, runner="train"):
                     "layers": report["layers"]}, f"{result_file}.{rank}")
 
 
+def _run_ranks(options, tmp_path):
+    """The results of `adept-ext run` with `options` on 2 gloo ranks."""
+    mp.spawn(_run_worker, args=(2, _free_port(), options, str(tmp_path / "r")), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"r.{r}") for r in (0, 1)]
+
+
+def _assert_like_one_process(ranks, single):
+    """Both ranks report the same, and the training and final losses of `single` (one process with
+    the same global batch) to 1e-4 relative."""
+    r0, r1 = ranks
+    assert r0 == r1 and r0["layers"] == single["layers"]
+    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
+    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
+    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def run_workspace(tmp_path_factory):
     return write_run_workspace(tmp_path_factory.mktemp("ddp"))
@@ -202,13 +218,7 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
                    eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
-    mp.spawn(_run_worker, args=(2, _free_port(), {**options, "out": str(tmp_path / "ddp")}, str(tmp_path / "r")),
-             nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
-    assert r0 == r1 and r0["layers"] == single["layers"]
-    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
-    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
-    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+    _assert_like_one_process(_run_ranks({**options, "out": str(tmp_path / "ddp")}, tmp_path), single)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
     assert not any("lora" in n for n, _ in saved.named_parameters())
     assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in (tmp_path / "single").iterdir())
@@ -248,13 +258,8 @@ def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_works
                    eval_blocks=4, eval_every=2, save_every=0, recompute_every=2, lr=1e-3)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
-    mp.spawn(_run_worker, args=(2, _free_port(), {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")},
-                                str(tmp_path / "r")), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
-    assert r0 == r1 and r0["layers"] == single["layers"]
-    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
-    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
-    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+    _assert_like_one_process(_run_ranks({**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}, tmp_path),
+                             single)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "model")
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "model").state_dict()
     for name, value in saved.state_dict().items():
@@ -297,12 +302,7 @@ def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
     assert checkpoint["step"] == 2 and "optimizer" not in checkpoint and "trainable" not in checkpoint
     assert sorted(p.name for p in (tmp_path / "fsdp" / checkpoint["shards"]).iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]
-    mp.spawn(_run_worker, args=(2, _free_port(), {**sharded, "resume": True}, str(tmp_path / "r")), nprocs=2,
-             join=True)
-    r0 = torch.load(tmp_path / "r.0")
-    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
-    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
-    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+    _assert_like_one_process(_run_ranks({**sharded, "resume": True}, tmp_path), single)
     assert not list((tmp_path / "fsdp").glob("checkpoint*"))
 
 
