@@ -102,7 +102,8 @@ def fully_shard_model(model, layers, bf16: bool) -> Callable[[torch.nn.Parameter
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     names = {id(p): n for n, p in model.named_parameters()}
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
     for layer in layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

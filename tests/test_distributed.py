@@ -264,7 +264,8 @@ def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_works
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "model").state_dict()
     for name, value in saved.state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5)
-    assert sorted(p.name for p in (tmp_path / "fsdp").iterdir()) == sorted(p.name for p in (tmp_path / "single").iterdir())
+    assert sorted(p.name for p in (tmp_path / "fsdp").iterdir()) == sorted(
+        p.name for p in (tmp_path / "single").iterdir())
 
 
 def _killed_run_worker(rank, world, port, options, result_file):
@@ -335,7 +336,8 @@ def _sharded_probe_worker(rank, world, init_file, result_file, n_batches):
         batches = padded_batches(n_batches=n_batches)  # odd: rank 0 takes one batch more than rank 1
         scores = layer_importance(model, batches, progress=False)
         units = UnitImportance(model, batches).raw_scores(use_source=True)
-        torch.save({"layers": scores.scores + [scores.base_loss, scores.tokens], "units": units}, f"{result_file}.{rank}")
+        torch.save({"layers": scores.scores + [scores.base_loss, scores.tokens], "units": units},
+                   f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
 
