@@ -81,6 +81,8 @@ HELP = {
     "seed": "random seed (data split and order)",
     "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
     "device": "auto, cpu or cuda",
+    "parallel": "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and "
+                "optimizer state sharded per decoder layer; run only, not lora)",
     "resume": "continue the run in --out from its last checkpoint",
     "overwrite": "replace an existing run in --out",
 }

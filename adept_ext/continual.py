@@ -55,7 +55,10 @@ class ContinualConfig(TrainOptions):
 
 def config_from(overrides: Dict) -> ContinualConfig:
     """A checked ContinualConfig (RunError on bad input)."""
-    return options_from(ContinualConfig, overrides, sequence=True)
+    cfg = options_from(ContinualConfig, overrides, sequence=True)
+    if cfg.parallel == "fsdp2":  # every task changes the model (expansion, adapters) before it trains
+        raise RunError("--parallel fsdp2 is available for adept-ext run; use --parallel ddp for continual")
+    return cfg
 
 
 def metrics(matrix: List[List[float]]) -> Dict[str, Optional[float]]:

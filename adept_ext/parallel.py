@@ -6,11 +6,19 @@ Conventions of the runners under data parallelism: every rank loads the same mod
 seeds the same way; rank r takes micro-batches r, r + W, r + 2W, … of the sequence a single
 process would take (so W ranks with grad_accum g equal one process with grad_accum g·W); probes
 and unit importance shard their batches and all-reduce (probe.py, units.py); evaluation runs on
-every rank (identical results, no collective); rank 0 alone writes files and logs.
+every rank (identical results; under FSDP2 with the same all-gathers on every rank); rank 0 alone
+writes files and logs.
+
+Two engines (`ENGINES`): `ddp` (DistributedDataParallel: every rank holds the whole model and its
+optimizer state) and `fsdp2` (`torch.distributed.fsdp.fully_shard` per decoder layer, then the
+root: parameters, gradients and AdamW state are sharded, for models whose optimizer state does not
+fit one device). Checkpoints of sharded runs go through `torch.distributed.checkpoint` (DCP).
 """
 import os
+import shutil
 from contextlib import contextmanager
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,6 +82,9 @@ def run_on_ranks(device: torch.device, body, progress: bool, log):
         return body(progress and main, log if main else quiet)
 
 
+ENGINES = ("ddp", "fsdp2")
+
+
 def wrap(model, device: torch.device):
     """The model to train: DistributedDataParallel over all ranks when there are several."""
     if world_size() == 1:
@@ -81,6 +92,65 @@ def wrap(model, device: torch.device):
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def fully_shard_model(model, layers, bf16: bool) -> Callable[[torch.nn.Parameter], torch.nn.Parameter]:
+    """FSDP2: `fully_shard` every module of `layers` (the decoder layers), then `model` itself, over
+    all ranks (bf16 parameters and fp32 gradient reduction under `bf16`, else the parameters' own
+    dtype). The parameters are replaced by sharded ones (DTensors); returns the map from an old
+    parameter to its sharded replacement (optimizer groups built before sharding need it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    sharded = dict(model.named_parameters())
+    return lambda p: sharded[names[id(p)]]
+
+
+def is_sharded(model) -> bool:
+    """Whether `model` (or a module inside it) was sharded by FSDP2's `fully_shard`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def full_state_dict(model):
+    """A sharded model's whole state dict as plain CPU tensors on rank 0 (an empty dict on the
+    others): a collective every rank calls. None for an unsharded model (it saves its own)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded(path: Path, model, optimizer):
+    """Every rank writes its shards of `model` and `optimizer` into the new directory `path` with
+    `torch.distributed.checkpoint` (a collective: every rank calls it with the same path)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if is_main():
+        shutil.rmtree(path, ignore_errors=True)  # a half-written directory of a killed save
+    barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+    barrier()
+
+
+def load_sharded(path: Path, model, optimizer):
+    """Load what `save_sharded` wrote into `model` and `optimizer` (the same world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def mean_over_ranks(value: float, device: torch.device) -> float:

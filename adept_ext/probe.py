@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from . import parallel
 from .models import adapter
 from .ops import linear_cross_entropy
 from .report import dataclass_json, plot_layer_scores
@@ -105,6 +106,46 @@ def _capture_layer_inputs(layers):
     finally:
         for h in handles:
             h.remove()
+
+
+@contextmanager
+def _gathered_for_probe(model, layers):
+    """FSDP2 (`fully_shard`): inside, the root's own parameters (embeddings, final norm, lm_head)
+    are gathered, and each decoder layer's stay gathered from its call until the next layer's
+    (so the variant streams' extra calls of a layer inside its pre-hook use the same gathered
+    weights and issue no collective of their own); every rank makes the same all-gathers per
+    batch. Nothing for an unsharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [layer for layer in layers if isinstance(layer, FSDPModule)]
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    handles = [layer.register_forward_pre_hook(lambda module, args, previous=previous: previous.reshard())
+               for previous, layer in zip(sharded, sharded[1:])]
+    for layer in sharded:
+        layer.set_reshard_after_forward(False, recurse=False)
+    model._get_fsdp_state()._lazy_init()  # as the root's own forward would: else the first layer called claims root
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+        for layer in sharded:
+            layer.set_reshard_after_forward(True, recurse=False)
+            layer.reshard()
+        for handle in handles:
+            handle.remove()
+
+
+def _padded_rank_share(batches: List, sharded: bool) -> List:
+    """This rank's probe batches, batches[rank::world]; on a sharded model padded with zero-weight
+    runs (None: run the first batch, count nothing) up to the largest share, so that
+    every rank makes the same sequence of collective-bearing layer calls."""
+    share = list(batches[dist.get_rank()::dist.get_world_size()])
+    if not sharded:
+        return share
+    return share + [None] * (-(-len(batches) // dist.get_world_size()) - len(share))
 
 
 def device_batch(batch, device):
@@ -281,8 +322,13 @@ def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: 
     if not batches:
         raise ValueError("probe data is empty: no batches")
     distributed = dist.is_available() and dist.is_initialized()
+    sharded = distributed and parallel.is_sharded(model)
+    if sharded and method == "taylor":
+        raise ValueError("the taylor probe needs gradients through an unsharded model: probe before fully_shard, "
+                         "or use bypass or block_influence")
+    filler = batches[0]  # what a zero-weight pad (None) runs
     if distributed:
-        batches = batches[dist.get_rank()::dist.get_world_size()]
+        batches = _padded_rank_share(batches, sharded)
     device = ad.lm_head.weight.device
     if max_tokens_per_call is None:
         max_tokens_per_call = DEFAULT_MAX_TOKENS_PER_CALL.get(device.type, 4096)
@@ -294,14 +340,17 @@ def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: 
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     # One tick per layer depth (and, for bypass, per group of variants scored), not per batch:
     # a batch of the default probe takes tens of seconds on a CPU.
-    total = sum(_ticks_per_batch(method, ad.num_layers, batch, max_tokens_per_call) for batch in batches)
+    total = sum(_ticks_per_batch(method, ad.num_layers, batch or filler, max_tokens_per_call) for batch in batches)
     bar = tqdm(total=total, desc=f"probing layers ({method}, {len(batches)} batches x {ad.num_layers} layers)",
                disable=not progress)
     try:
-        for batch in batches:
-            s, n = per_batch(ad, device_batch(batch, device), chunk_rows, max_tokens_per_call, bar.update)
-            sums += s
-            tokens += n
+        with _gathered_for_probe(model, ad.layers):
+            for batch in batches:
+                s, n = per_batch(ad, device_batch(batch or filler, device), chunk_rows, max_tokens_per_call,
+                                 bar.update)
+                if batch is not None:
+                    sums += s
+                    tokens += n
     finally:
         bar.close()
         model.train(was_training)

@@ -10,13 +10,15 @@ ops. `NullSpaceProjector` hooks a memory into an optimizer, projecting either th
 before the step or the actual parameter change after it (Adam-NSCL style), so that
 Qᵀ(θ_new − θ_old) ≈ 0 also with AdamW and weight decay.
 
-Sharded parameters (DTensor, e.g. FSDP2) are handled by working on the local shards and
-all-reducing the Qᵀg partial sums over the shards' process group.
+Sharded parameters (DTensor, e.g. FSDP2, also on a 2-D HSDP mesh) are handled by working on the
+local shards and all-reducing the Qᵀg partial sums over the mesh dimensions the parameters are
+sharded along (never along a Replicate dimension, whose ranks hold the same values); the state
+dict of a sharded memory holds the whole directions (gathered from every shard).
 """
 import logging
 import math
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,37 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _shard_group(params):
-    """The process group over which the parameters are sharded, or None."""
-    mesh = getattr(params[0], "device_mesh", None)
-    return mesh.get_group() if mesh is not None else None
+def _shard_groups(param) -> Tuple:
+    """The process groups over which a parameter's local partial sums add up to the whole sum: one
+    per mesh dimension it is sharded along (a Replicate dimension's ranks hold the same values:
+    summing over it would count them once per rank); () for a plain tensor. ValueError for a
+    Partial placement."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return ()
+    if not all(pl.is_shard() or pl.is_replicate() for pl in param.placements):
+        raise ValueError(f"parameter placements {param.placements}: only Shard and Replicate are supported")
+    return tuple(mesh.get_group(d) for d, pl in enumerate(param.placements) if pl.is_shard())
+
+
+def _reduction_sets(params, process_group) -> List[Tuple[Optional[List[int]], Tuple]]:
+    """[(indices, groups)]: the parameters by the process groups their partial sums are all-reduced
+    over (indices None: all of them, the usual case of one engine sharding every parameter alike)."""
+    if process_group is not None:
+        return [(None, (process_group,))]
+    by_groups: Dict[Tuple, List[int]] = {}
+    for i, p in enumerate(params):
+        by_groups.setdefault(_shard_groups(p), []).append(i)
+    if len(by_groups) == 1:
+        return [(None, next(iter(by_groups)))]
+    return [(index, groups) for groups, index in by_groups.items()]
+
+
+def _directions_placements(param):
+    """The placements of a [k, *shape] stack of directions of a DTensor parameter (Shard dims shifted by one)."""
+    from torch.distributed.tensor import Shard
+
+    return [Shard(pl.dim + 1) if pl.is_shard() else pl for pl in param.placements]
 
 
 def _norm_sq(tensors) -> torch.Tensor:
@@ -58,7 +87,7 @@ class _Memory:
         self.params = params
         self.max_directions = max_directions
         self.dtype = dtype
-        self.group = process_group if process_group is not None else _shard_group(params)
+        self._sets = _reduction_sets(params, process_group)
         self.storage = [torch.zeros((max_directions, *_local(p).shape), dtype=dtype, device=_local(p).device)
                         for p in params]
         self.k = 0
@@ -72,14 +101,24 @@ class _Memory:
             cache = self._basis_cache = (self.k, self.storage, [s[:self.k] for s in self.storage])
         return cache[2]
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sums partial results over the shards (a no-op for unsharded parameters)."""
-        if self.group is not None:
-            dist.all_reduce(t, group=self.group)
-        return t
+    def _reduced(self, partial: Callable, tensors) -> torch.Tensor:
+        """Σ over the parameters of `partial(basis, tensors)` (a sum over their elements), from
+        the local shards: each set of parameters' partial sum all-reduced over its shard groups."""
+        total = None
+        for index, groups in self._sets:
+            t = partial(self.basis, tensors) if index is None else \
+                partial([self.basis[i] for i in index], [tensors[i] for i in index])
+            for group in groups:
+                dist.all_reduce(t, group=group)
+            total = t if total is None else total + t
+        return total
 
     def _coeffs(self, tensors) -> torch.Tensor:
-        return self._all_reduce(null_space_coeffs(self.basis, tensors))
+        return self._reduced(null_space_coeffs, tensors)
+
+    def _norm(self, tensors) -> float:
+        """‖x‖ of the whole list (all shards)."""
+        return math.sqrt(float(self._reduced(lambda basis, ts: _norm_sq(ts).reshape(1), tensors)))
 
     def projection_coeffs(self, tensors, check_finite: bool = True) -> torch.Tensor:
         """y with proj(x) = Σ_j y_j·basis_j for the list x (float64 [k])."""
@@ -121,16 +160,40 @@ class _Memory:
         return [list(d) for d in directions]
 
     def state_dict(self) -> Dict:
-        return {"k": self.k, "storage": [s[:self.k].clone() for s in self.storage], **self._extra_state()}
+        """k, the directions ([k, *parameter shape] per parameter; for sharded parameters gathered
+        from every shard, a collective every rank calls) and the memory's own state."""
+        storage = [self._full(s[:self.k], p) for s, p in zip(self.storage, self.params)]
+        return {"k": self.k, "storage": storage, **self._extra_state()}
+
+    @staticmethod
+    def _full(local: torch.Tensor, param) -> torch.Tensor:
+        if getattr(param, "device_mesh", None) is None:
+            return local.clone()
+        from torch.distributed.tensor import DTensor
+
+        placements = _directions_placements(param)
+        shape = (local.shape[0], *param.shape)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, param.device_mesh, placements, shape=shape, stride=stride).full_tensor()
+
+    @staticmethod
+    def _shard(full: torch.Tensor, param) -> torch.Tensor:
+        """This rank's part of a [k, *parameter shape] stack of whole directions."""
+        if getattr(param, "device_mesh", None) is None:
+            return full
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full, param.device_mesh, _directions_placements(param)).to_local()
 
     def load_state_dict(self, state: Dict):
+        """Restore `state_dict()` (whole directions; every rank of a sharded memory takes its shards)."""
         if len(state["storage"]) != len(self.storage) or state["k"] > self.max_directions:
             raise ValueError("the saved memory belongs to other parameters or a larger max_directions")
-        for s, saved in zip(self.storage, state["storage"]):
-            if saved.shape[1:] != s.shape[1:]:
+        for p, saved in zip(self.params, state["storage"]):
+            if saved.shape[1:] != p.shape:
                 raise ValueError("the saved memory's tensor shapes differ from the parameters'")
-        for s, saved in zip(self.storage, state["storage"]):
-            s[:state["k"]].copy_(saved)
+        for s, saved, p in zip(self.storage, state["storage"], self.params):
+            s[:state["k"]].copy_(self._shard(saved.to(s.device), p))
         self.k = state["k"]
         self._load_extra_state(state)
 
@@ -146,7 +209,7 @@ class _Memory:
         if self.k == 0:
             return 0.0
         c = self._coeffs(grads)
-        norm = math.sqrt(float(self._all_reduce(_norm_sq(grads).reshape(1))))
+        norm = self._norm(grads)
         return float(c.norm()) / norm if norm > 0 else 0.0
 
 
@@ -185,10 +248,10 @@ class GradientMemory(_Memory):
         report = {"added": [], "dropped": [], "replaced": [], "residual_norms": []}
         for n, d in enumerate(directions):
             r = [t.detach().float().clone().contiguous() for t in d]
-            norm0 = math.sqrt(float(self._all_reduce(_norm_sq(r).reshape(1))))
+            norm0 = self._norm(r)
             for _ in range(2 if self.k else 0):
                 null_space_apply_(self.basis, r, self._coeffs(r))
-            norm = math.sqrt(float(self._all_reduce(_norm_sq(r).reshape(1))))
+            norm = self._norm(r)
             report["residual_norms"].append(norm)
             if norm0 == 0 or norm <= self.tol * norm0:
                 report["dropped"].append(n)

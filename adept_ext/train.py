@@ -16,8 +16,9 @@ import math
 import platform
 import random
 import resource
+import shutil
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -29,7 +30,7 @@ from .lens import Diagnosis, diagnose
 from .methods import Context, create, method_names
 from .methods.adept import explicit_layers
 from .methods.base import REGISTRY
-from .models import load_model
+from .models import adapter, load_model
 from .placement import PLACEMENTS
 from .report import plot_loss_curves
 from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
@@ -65,6 +66,7 @@ class TrainOptions:
     seed: int = 0
     bf16: str = "auto"                # auto (GPU with bf16 support) | on | off
     device: str = "auto"              # auto | cpu | cuda
+    parallel: str = "ddp"             # under torchrun: ddp | fsdp2 (parameters and optimizer state sharded)
     resume: bool = False              # continue the run in `out` from its last checkpoint
     overwrite: bool = False           # replace an existing run in `out`
 
@@ -106,7 +108,15 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError(f"block_len must be >= 2 (a block needs a next token to score), got {cfg.block_len}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
-    create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
+    if cfg.parallel not in parallel.ENGINES:
+        raise RunError(f"parallel must be one of {', '.join(parallel.ENGINES)}, got {cfg.parallel!r}")
+    if cfg.parallel == "fsdp2" and parallel.launched_world() < 2:
+        raise RunError("--parallel fsdp2 shards the model over the processes of torchrun: launch with "
+                       "`torchrun --nproc-per-node N` (N >= 2), or leave --parallel at ddp for one process")
+    method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
+    if cfg.parallel == "fsdp2" and not method.shardable:
+        raise RunError(f"method {cfg.method} cannot train a model sharded by FSDP2 (its hooks need the whole "
+                       "weights); use --parallel ddp")
     return cfg
 
 
@@ -148,14 +158,15 @@ def _use_bf16(cfg, device) -> bool:
     return cfg.bf16 == "on" or (cfg.bf16 == "auto" and supported)
 
 
-def _check_memory(cfg, model, bf16: bool = False, trainable: int = 0):
+def _check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1):
     """Refuse a run that will not fit in the available memory: the weights, the gradient and two
-    AdamW moments (fp32) of the `trainable` parameters, and one micro-batch's activations (halved
-    under bf16 autocast). Called before anything is written (trainable = 0: can the model run at
-    all?) and again once the method has chosen what trains. The estimate is in the message."""
+    AdamW moments (fp32) of the `trainable` parameters (divided among `shards` ranks under FSDP2),
+    and one micro-batch's activations (halved under bf16 autocast). Called before anything is
+    written (trainable = 0: can the model run at all?) and again once the method has chosen what
+    trains. The estimate is in the message."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = trainable * 4 * 3
+    optimizer = trainable * 4 * 3 // shards
     per_token = 4 * c.num_hidden_layers * (16 * c.hidden_size + 4 * c.intermediate_size) + 8 * c.vocab_size
     activations = cfg.batch_size * cfg.block_len * per_token // (2 if bf16 else 1)
     need = weights + optimizer + activations
@@ -306,25 +317,61 @@ def optimizer_for(method, setup, cfg):
 
 def training_state(model, method, optimizer, scheduler) -> Dict:
     """What a checkpoint needs to continue a task exactly: trainable weights, optimizer, schedule,
-    the method's state and every RNG."""
-    return {"trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "method": method.state_dict(), "rng": _rng_state()}
+    the method's state and every RNG. A sharded (FSDP2) model's weights and optimizer state are
+    not in it: every rank writes its shards with `save_sharded_state`."""
+    state = {"scheduler": scheduler.state_dict(), "method": method.state_dict(), "rng": _rng_state()}
+    if not parallel.is_sharded(model):
+        state.update(trainable={n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
+                     optimizer=optimizer.state_dict())
+    return state
 
 
-def load_training_state(state: Dict, model, method, optimizer, scheduler):
-    names = dict(model.named_parameters())
-    for name, value in state["trainable"].items():
-        names[name].data.copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
+SHARDS = "checkpoint-shards"  # sharded runs: the DCP directory of a checkpoint is SHARDS-<step>
+
+
+def save_sharded_state(out: Path, step: int, model, optimizer) -> Dict:
+    """Sharded (FSDP2) runs: every rank writes its shards of the weights and optimizer state into
+    `out/SHARDS-<step>` (a collective); returns the entry that names it in the checkpoint (empty
+    for an unsharded model). The checkpoint file, written afterwards, is what makes it current."""
+    if not parallel.is_sharded(model):
+        return {}
+    parallel.save_sharded(out / f"{SHARDS}-{step}", model, optimizer)
+    return {"shards": f"{SHARDS}-{step}"}
+
+
+def remove_stale_shards(out: Path, keep: str = ""):
+    """Delete the shard directories of `out` other than `keep` (rank 0, after the checkpoint naming `keep`)."""
+    for path in out.glob(f"{SHARDS}-*"):
+        if path.name != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_training_state(state: Dict, model, method, optimizer, scheduler, out: Path = None):
+    """Restore what `training_state` saved (and, for a sharded model, its shards from `out`)."""
+    if "shards" in state:
+        parallel.load_sharded(out / state["shards"], model, optimizer)
+    else:
+        names = dict(model.named_parameters())
+        for name, value in state["trainable"].items():
+            names[name].data.copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     method.load_state_dict(state["method"])
     _set_rng_state(state["rng"])
 
 
+def shard(model, setup, bf16: bool):
+    """FSDP2: shard `model` (each decoder layer, then the root) and return `setup` with its
+    trainable parameters and optimizer groups pointing at the sharded parameters."""
+    new = parallel.fully_shard_model(model, adapter(model).layers, bf16)
+    return replace(setup, trainable=[new(p) for p in setup.trainable],
+                   groups=[{**g, "params": [new(p) for p in g["params"]]} for g in setup.groups])
+
+
 def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
     """All stages of a run; returns the report (also written to `cfg.out`). Under torchrun
-    (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel and rank 0 writes."""
+    (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel (or FSDP2 under
+    `parallel="fsdp2"`) and rank 0 writes."""
     device = _device(cfg)
     return parallel.run_on_ranks(device, lambda progress_, log_: _run(cfg, device, progress_, log_), progress, log)
 
@@ -370,28 +417,34 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     setup = method.prepare(model, ctx, layers=checkpoint["layers"] if checkpoint else None)
     total_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in setup.trainable)
-    _check_memory(cfg, model, bf16, n_trainable)
+    _check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
     stage("prepare", t0, layers=setup.layers, trainable_parameters=n_trainable,
           trainable_fraction=n_trainable / total_params)
     if main:
         method.write_artifacts(out)
     log(f"{cfg.method}: {setup.summary}; trainable {n_trainable / 1e6:.1f}M ({n_trainable / total_params:.1%})")
 
-    trained = parallel.wrap(model, device)
+    if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
+        setup = shard(model, setup, bf16)
+        trained = model
+    else:
+        trained = parallel.wrap(model, device)
     optimizer, scheduler = optimizer_for(method, setup, cfg)
     history = {"train": [], "eval": []}
     step = 0
     if checkpoint:
-        load_training_state(checkpoint, model, method, optimizer, scheduler)
+        load_training_state(checkpoint, model, method, optimizer, scheduler, out)
         history, step = checkpoint["history"], checkpoint["step"]
         log(f"resumed at step {step}")
 
     def save_checkpoint():
+        shards = save_sharded_state(out, step, model, optimizer)
         if not main:
             return
-        state = {"step": step, "layers": setup.layers, "base": base, "history": history,
+        state = {"step": step, "layers": setup.layers, "base": base, "history": history, **shards,
                  **training_state(model, method, optimizer, scheduler)}
         atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+        remove_stale_shards(out, shards.get("shards", ""))
 
     def after_step(done):
         nonlocal step
@@ -409,8 +462,11 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         step = train_steps(trained, method, setup, optimizer, scheduler, corpora.domain_train, cfg, device, bf16,
                            history, step, f"training ({cfg.method})", progress, after_step)
     except KeyboardInterrupt:
-        save_checkpoint()
-        log(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
+        if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
+            log(f"interrupted at step {step}: continue from the last checkpoint in {out} with --resume")
+        else:
+            save_checkpoint()
+            log(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
         raise
     stage("train", t0, steps=step, tokens=step * cfg.grad_accum * cfg.batch_size * cfg.block_len)
 
@@ -422,8 +478,10 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
 
     t0 = time.time()
     final_model = method.end_task(model, out if main else None, report)
+    weights = parallel.full_state_dict(final_model)  # a collective under FSDP2: every rank takes part
     if main:
-        atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp, state_dict=weights),
+                                               tokenizer.save_pretrained(tmp)))
         plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
     stage("save", t0)
 
@@ -440,6 +498,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
         atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
         (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: the model replaces it
+        remove_stale_shards(out)
     log(f"final: general loss {final['general_loss']:.4f} (forgetting {report['forgetting_general_delta']:+.4f}), "
         f"domain loss {final['domain_loss']:.4f} (gain {report['gain_domain_delta']:+.4f}); report: {out / 'report.md'}")
     parallel.barrier(device)  # every rank returns once rank 0 has written the run

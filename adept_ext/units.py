@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .models import adapter
 from .ops import taylor_importance
@@ -133,6 +134,18 @@ def normalize_scores(scores: Sequence[float], kinds: Sequence[str], normalize: s
     return out
 
 
+def _sharded_grads(loss, params, every_param) -> List[Optional[torch.Tensor]]:
+    """FSDP2: `loss.backward()` (FSDP reduce-scatters the gradients), this rank's local shard of
+    each of `params`' gradients (None: no gradient), and every `.grad` cleared for the next batch."""
+    for p in every_param:
+        p.grad = None
+    loss.backward()
+    grads = [None if p.grad is None else p.grad.to_local() for p in params]
+    for p in every_param:
+        p.grad = None
+    return grads
+
+
 class UnitImportance:
     """Taylor importance of the units of an expanded model on fixed probe batches (SPEC §1.3).
 
@@ -142,7 +155,12 @@ class UnitImportance:
     `compute(use_source=True)` scores the source layers' tensors instead: the fresh copies
     score exactly 0 (θ = 0 in o_proj/down_proj, ∇ = 0 upstream of them), so that is what ADEPT
     uses before the first recompute. Under an initialised process group the sums and token
-    counts are all-reduced before normalising, so every rank gets the same scores.
+    counts are all-reduced before normalising, so every rank gets the same scores. On a model
+    sharded by FSDP2 (`fully_shard`) every rank instead goes through every probe batch (the same
+    all-gathers and reduce-scatters on every rank, whatever the batch count, so the averaged
+    gradient is the batch's own): the gradients come from `backward()` (the training `.grad` are
+    set aside and put back), the fused op takes each rank's local shards, and the partial sums
+    are all-reduced.
 
     `autocast_dtype` (None, torch.float32, torch.bfloat16 or torch.float16): the probe's
     forward runs under `torch.autocast(device_type, dtype)`, as the training step does (pass
@@ -163,21 +181,23 @@ class UnitImportance:
             raise ValueError("probe data is empty: no batches")
         self.mode, self.normalize = mode, normalize
         self.autocast_dtype = check_autocast_dtype(autocast_dtype)
-        self._params = dict(self.model.named_parameters())
 
     def raw_scores(self, use_source: bool = False, autocast_dtype=None) -> List[float]:
         """Mean θ·g (signed or absolute) per unit, averaged over the probe batches. `autocast_dtype`
         overrides the instance's setting for this call (torch.float32: no autocast; None: keep it)."""
         dtype = self.autocast_dtype if autocast_dtype is None else check_autocast_dtype(autocast_dtype)
         names = [u.source_name if use_source else u.name for u in self.units]
-        params = [self._params[n] for n in names]
+        by_name = dict(self.model.named_parameters())  # looked up per call: fully_shard replaces them
+        params = [by_name[n] for n in names]
         device = params[0].device
         sums = torch.zeros(len(params), 2, dtype=torch.float32, device=device)
         batches = self.probe_batches
+        sharded = isinstance(params[0], DTensor)
         distributed = dist.is_available() and dist.is_initialized()
-        if distributed:
+        if distributed and not sharded:
             batches = batches[dist.get_rank()::dist.get_world_size()]
         flags = [p.requires_grad for p in params]
+        training_grads = [(p, p.grad) for p in by_name.values()] if sharded else []
         was_training = self.model.training
         self.model.eval()
         try:
@@ -187,18 +207,24 @@ class UnitImportance:
                 batch = {k: v.to(device) for k, v in batch.items()}
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype not in (None, torch.float32)):
                     loss = self.model(**batch, use_cache=False).loss
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = _sharded_grads(loss, params, by_name.values()) if sharded else \
+                    torch.autograd.grad(loss, params, allow_unused=True)
                 unused = [n for n, g in zip(names, grads) if g is None]
                 if unused:  # scoring it 0 would silently give it the highest rate (2x)
                     raise ValueError(f"unit {unused[0]} (and {len(unused) - 1} more) receives no gradient from the "
                                      "probe loss: the forward pass does not use it")
-                taylor_importance(params, grads, out=sums, accumulate=True)
+                taylor_importance(params if not sharded else [p.to_local() for p in params], grads, out=sums,
+                                  accumulate=True)
         finally:
             for p, f in zip(params, flags):
                 p.requires_grad_(f)
+            for p, g in training_grads:
+                p.grad = g
             self.model.train(was_training)
         num_batches = len(batches)
-        if distributed:
+        if sharded:  # each rank summed its shards of every batch
+            dist.all_reduce(sums)
+        elif distributed:
             count = torch.tensor([float(num_batches)], dtype=torch.float32, device=device)
             dist.all_reduce(sums)
             dist.all_reduce(count)

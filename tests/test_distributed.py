@@ -98,23 +98,32 @@ def test_projection_under_ddp_is_identical_on_all_ranks(tmp_path):
     assert r0["err"] <= 1e-5
 
 
-def _projection_sharded_worker(rank, world, init_file, result_file):
+def _projection_sharded_worker(rank, world, init_file, result_file, hsdp):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from adept_ext.projection import GradientMemory
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        # HSDP: replicated along the first dimension (2 ranks), sharded along the second (1 rank);
+        # else a 1-D mesh with the second parameter replicated and the others sharded
+        mesh = init_device_mesh("cpu", (world, 1) if hsdp else (world,))
+        placements = [[Replicate(), Shard(0)]] * 3 if hsdp else [[Shard(0)], [Replicate()], [Shard(0)]]
         full_params, full_dirs, full_grads = _sharding_data()
-        shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
-        params = [torch.nn.Parameter(shard(p)) for p in full_params]
+        shard = lambda ts: [distribute_tensor(t, mesh, pl) for t, pl in zip(ts, placements)]  # noqa: E731
+        params = [torch.nn.Parameter(p) for p in shard(full_params)]
         mem = GradientMemory(params, max_directions=3)
-        mem.add([[shard(t) for t in d] for d in full_dirs])
-        grads = [shard(g.clone()) for g in full_grads]
+        mem.add([shard(d) for d in full_dirs])
+        state = mem.state_dict()  # whole directions, gathered from every shard
+        reloaded = GradientMemory(params, max_directions=3)
+        reloaded.load_state_dict(state)
+        grads = shard([g.clone() for g in full_grads])
+        again = shard([g.clone() for g in full_grads])
         mem.project_(grads)
-        torch.save([g.full_tensor() for g in grads], f"{result_file}.{rank}")
+        reloaded.project_(again)
+        torch.save({"grads": [g.full_tensor() for g in grads], "reloaded": [g.full_tensor() for g in again],
+                    "storage": state["storage"]}, f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -126,17 +135,27 @@ def _sharding_data():
             [torch.randn(s) for s in shapes])
 
 
-def test_projection_with_sharded_parameters_all_reduces_partial_sums(tmp_path):
+@pytest.mark.parametrize("hsdp", [False, True], ids=["mesh-2-shard-and-replicate", "hsdp-mesh-2x1"])
+def test_projection_with_sharded_parameters_all_reduces_partial_sums(tmp_path, hsdp):
+    """Shard(0) and Replicate parameters on a 2-rank mesh, and the HSDP-shaped 2x1 mesh (Replicate,
+    Shard(0)), where what is replicated must not be summed once per rank: both project as one
+    process does, and the memory's state dict
+    holds the whole directions (a memory loaded from it projects the same)."""
     from adept_ext.projection import GradientMemory
 
-    mp.spawn(_projection_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    mp.spawn(_projection_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), hsdp), nprocs=2,
+             join=True)
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
     params, dirs, grads = _sharding_data()
     single = GradientMemory([torch.nn.Parameter(p) for p in params], max_directions=3)
     single.add(dirs)
+    storage = single.state_dict()["storage"]
     single.project_(grads)
-    for a, b, want in zip(r0, r1, grads):
-        assert torch.equal(a, b)
+    for a, b, again, want in zip(r0["grads"], r1["grads"], r0["reloaded"], grads):
+        assert torch.equal(a, b) and torch.equal(a, again)
+        torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
+    for a, b, want in zip(r0["storage"], r1["storage"], storage):
+        assert a.shape == want.shape and torch.equal(a, b)
         torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
 
 
@@ -164,6 +183,22 @@ def _run_worker(rank, world, port, options, result_file, runner="train"):
                     "layers": report["layers"]}, f"{result_file}.{rank}")
 
 
+def _run_ranks(options, tmp_path):
+    """The results of `adept-ext run` with `options` on 2 gloo ranks."""
+    mp.spawn(_run_worker, args=(2, _free_port(), options, str(tmp_path / "r")), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"r.{r}") for r in (0, 1)]
+
+
+def _assert_like_one_process(ranks, single):
+    """Both ranks report the same, and the training and final losses of `single` (one process with
+    the same global batch) to 1e-4 relative."""
+    r0, r1 = ranks
+    assert r0 == r1 and r0["layers"] == single["layers"]
+    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
+    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
+    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def run_workspace(tmp_path_factory):
     return write_run_workspace(tmp_path_factory.mktemp("ddp"))
@@ -183,13 +218,7 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
                    eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
-    mp.spawn(_run_worker, args=(2, _free_port(), {**options, "out": str(tmp_path / "ddp")}, str(tmp_path / "r")),
-             nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
-    assert r0 == r1 and r0["layers"] == single["layers"]
-    assert r0["train"] == pytest.approx([h["loss"] for h in single["history"]["train"]], rel=1e-4)
-    assert r0["final"]["domain_loss"] == pytest.approx(single["final"]["domain_loss"], rel=1e-4)
-    assert r0["final"]["general_loss"] == pytest.approx(single["final"]["general_loss"], rel=1e-4)
+    _assert_like_one_process(_run_ranks({**options, "out": str(tmp_path / "ddp")}, tmp_path), single)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
     assert not any("lora" in n for n, _ in saved.named_parameters())
     assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in (tmp_path / "single").iterdir())
@@ -212,3 +241,140 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
     assert [v for row in r0["matrix"] for v in row] == pytest.approx(flat, rel=1e-4, abs=1e-6)
     assert r0["general"] == pytest.approx(single["general_loss"], rel=1e-4)
     assert (tmp_path / "ddp" / "report.json").exists() and (tmp_path / "ddp" / "model").is_dir()
+
+
+@pytest.mark.parametrize("method", ["full", "adept", "llama_pro"])
+def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method):
+    """FSDP2 (fully_shard per decoder layer, 2 gloo ranks) trains what one process trains with the
+    same global batch: the losses agree to 1e-4 relative (float rounding of sharded reductions),
+    and the saved model is one plain Hugging Face checkpoint with the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from adept_ext.train import config_from, run
+
+    ws = run_workspace
+    options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
+                   method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=3,
+                   eval_blocks=4, eval_every=2, save_every=0, recompute_every=2, lr=1e-3)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
+                 log=lambda *a: None)
+    _assert_like_one_process(_run_ranks({**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}, tmp_path),
+                             single)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "model")
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "model").state_dict()
+    for name, value in saved.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "fsdp").iterdir()) == sorted(
+        p.name for p in (tmp_path / "single").iterdir())
+
+
+def _killed_run_worker(rank, world, port, options, result_file):
+    """`_run_worker` killed by a KeyboardInterrupt on every rank at the first mid-run evaluation."""
+    import adept_ext.train as train_module
+
+    real_evaluate, calls = train_module.evaluate, []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # base general, base domain, then the first mid-run evaluation
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    train_module.evaluate = interrupting
+    with pytest.raises(KeyboardInterrupt):
+        _run_worker(rank, world, port, options, result_file)
+
+
+def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
+    """An FSDP2 run killed at step 3 resumes from its DCP checkpoint of step 2 (weights and AdamW
+    state in per-rank shards, the rest in checkpoint.pt) and ends where one uninterrupted process
+    ends; the finished run keeps no shards."""
+    from adept_ext.train import config_from, run
+
+    ws = run_workspace
+    options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
+                   method="adept", k=2, block_len=32, batch_size=2, steps=4, warmup_steps=1, probe_blocks=2,
+                   eval_blocks=3, eval_every=3, save_every=2, recompute_every=2, lr=1e-3)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
+                 log=lambda *a: None)
+    sharded = {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}
+    mp.spawn(_killed_run_worker, args=(2, _free_port(), sharded, str(tmp_path / "r")), nprocs=2, join=True)
+    checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
+    assert checkpoint["step"] == 2 and "optimizer" not in checkpoint and "trainable" not in checkpoint
+    assert sorted(p.name for p in (tmp_path / "fsdp" / checkpoint["shards"]).iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    _assert_like_one_process(_run_ranks({**sharded, "resume": True}, tmp_path), single)
+    assert not list((tmp_path / "fsdp").glob("checkpoint*"))
+
+
+def _spawn_with_timeout(fn, args, timeout=240):
+    """mp.spawn of 2 processes that fails (instead of hanging) when they have not finished in `timeout` s."""
+    import time
+
+    context = mp.spawn(fn, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # False: a process still runs
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {timeout} s (deadlock?)")
+
+
+def _sharded_probe_worker(rank, world, init_file, result_file, n_batches):
+    from torch.distributed.fsdp import fully_shard
+
+    from adept_ext.expand import expand_layers
+    from adept_ext.units import UnitImportance
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = tiny_model("qwen3", layers=4)
+        expand_layers(model, [0, 2])
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        batches = padded_batches(n_batches=n_batches)  # odd: rank 0 takes one batch more than rank 1
+        scores = layer_importance(model, batches, progress=False)
+        units = UnitImportance(model, batches).raw_scores(use_source=True)
+        torch.save({"layers": scores.scores + [scores.base_loss, scores.tokens], "units": units},
+                   f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_probe_and_units_on_an_fsdp2_model_with_unequal_batch_counts_finish_and_equal_one_process(tmp_path):
+    """3 probe batches on 2 ranks of a fully_shard model: the ranks make the same collective calls
+    (the probe pads rank 1 with a zero-weight batch, unit importance runs every batch on every
+    rank), so they finish (timeout) with the single-process scores."""
+    from adept_ext.expand import expand_layers
+    from adept_ext.units import UnitImportance
+
+    _spawn_with_timeout(_sharded_probe_worker, (2, str(tmp_path / "init"), str(tmp_path / "out"), 3))
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    assert r0 == r1
+    model = tiny_model("qwen3", layers=4)
+    expand_layers(model, [0, 2])
+    single = layer_importance(model, padded_batches(n_batches=3), progress=False)
+    torch.testing.assert_close(torch.tensor(r0["layers"], dtype=torch.float64),
+                               torch.tensor(single.scores + [single.base_loss, single.tokens], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    units = UnitImportance(model, padded_batches(n_batches=3)).raw_scores(use_source=True)
+    torch.testing.assert_close(torch.tensor(r0["units"]), torch.tensor(units), rtol=1e-4, atol=1e-9)
+
+
+def test_fsdp2_refuses_what_it_cannot_shard_before_any_work(monkeypatch):
+    """One error line, before anything is loaded: fsdp2 without torchrun's processes, a method
+    whose hooks need whole weights, the continual runner, an unknown engine."""
+    from adept_ext import continual, train
+    from adept_ext.rundir import RunError
+
+    with pytest.raises(RunError, match="torchrun --nproc-per-node"):
+        train.config_from({"parallel": "fsdp2"})
+    with pytest.raises(RunError, match="parallel must be one of ddp, fsdp2"):
+        train.config_from({"parallel": "zero3"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RunError, match="method lora cannot .* FSDP2 .*--parallel ddp"):
+        train.config_from({"parallel": "fsdp2", "method": "lora"})
+    with pytest.raises(RunError, match="--parallel ddp for continual"):
+        continual.config_from({"parallel": "fsdp2", "method": "seq_full"})
+    assert train.config_from({"parallel": "fsdp2", "method": "adept"}).parallel == "fsdp2"

@@ -105,6 +105,7 @@ class Method:
     takes_layers = False   # accepts k / --layers
     single_domain = True   # usable by `adept-ext run`
     sequence = False       # usable by `adept-ext continual`
+    shardable = True       # trains a model sharded by FSDP2 (--parallel fsdp2)
 
     def __init__(self, cfg):
         self.cfg = cfg
