@@ -28,23 +28,25 @@ FILTER_ON = ("ab", "a", "b")
 class WaveletFilter(nn.Module):
     """The paper's retention filter on a factor Y [r, n] = U diag(s) Vᵀ: a learned shrinkage of its
     spectrum by a multi-scale network of heat kernels φ_j(s̃) = exp(−(s̃ − c_j)²/2σ_j²) on the
-    normalised singular values s̃ = s/max(s), with learnable centres c_j and diagonal gains g_j
-    (one per singular component), σ_j = 2^−(j+1):
+    normalised singular values s̃ = s/max(s), with learnable centres c_j = c_j⁰ + δ_j (c⁰ evenly
+    spaced on [0, 1]) and diagonal gains g_j (one per singular component), σ_j = 2^−(j+1):
         X̂ = U diag(s_k (1 + Σ_j g_jk φ_j(s̃_k))) Vᵀ
-    — the learnable form of the minimum-variance estimate Σ_k (σ_k² − σ_D²)/σ_k u_k v_kᵀ. Returns
-    the residual X̂ − Y, exactly 0 at the start (g = 0)."""
+    — the learnable form of the minimum-variance estimate Σ_k (σ_k² − σ_D²)/σ_k u_k v_kᵀ. θ_retain
+    = {g, δ}, both 0 at the start, where the residual X̂ − Y it returns is exactly 0."""
 
     def __init__(self, y: torch.Tensor, scales: int):
         super().__init__()
         u, s, vh = torch.linalg.svd(y.detach().float(), full_matrices=False)
         for name, value in (("u", u), ("s", s), ("vh", vh), ("s_norm", s / s.max().clamp_min(1e-12)),
-                            ("widths", 2.0 ** -torch.arange(2, scales + 2, dtype=torch.float32))):
+                            ("widths", 2.0 ** -torch.arange(2, scales + 2, dtype=torch.float32)),
+                            ("centres", torch.linspace(0.0, 1.0, scales))):
             self.register_buffer(name, value, persistent=False)
-        self.centres = nn.Parameter(torch.linspace(0.0, 1.0, scales))
+        self.shifts = nn.Parameter(torch.zeros(scales))
         self.gains = nn.Parameter(torch.zeros(scales, len(s)))
 
     def forward(self) -> torch.Tensor:
-        phi = torch.exp(-(self.s_norm - self.centres[:, None]).square() / (2 * self.widths[:, None].square()))
+        centres = self.centres + self.shifts
+        phi = torch.exp(-(self.s_norm - centres[:, None]).square() / (2 * self.widths[:, None].square()))
         return (self.u * (self.s * (self.gains * phi).sum(0))) @ self.vh
 
 
@@ -156,7 +158,8 @@ class Deal(SeqLora):
                      f"rank-{r} LoRA on {len(self.factors)} projections")
 
     def loss(self, model, batch) -> torch.Tensor:
-        loss = super().loss(model, batch)
+        with parametrize.cached():  # each adapted factor computed once per forward
+            loss = super().loss(model, batch)
         cfg = self.cfg
         for params, lam, power in ((self.retain, cfg.deal_lambda1, cfg.deal_a), (self.updates, cfg.deal_lambda2, cfg.deal_b)):
             if params and lam:
