@@ -19,8 +19,9 @@ learned).
 
 `state_dict()` / `load_state_dict()` carry what a method must keep across a kill (resume) and
 across tasks. A kill inside a task resumes by loading the state the method had when the task
-started, then `prepare`, then the state saved inside the task. A new method is one file in this package: a `Method` subclass with the
-`@register` decorator; the runners and the CLI pick it up by its name.
+started, then `prepare`, then the state saved inside the task. A new method is one file in this
+package: a `Method` subclass with the `@register` decorator; the runners and the CLI pick it up
+by its name.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass, field

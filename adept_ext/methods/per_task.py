@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from typing import Dict, List
 
 import torch
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
 from .base import register
 from .lora import SeqLora, add_lora
@@ -26,6 +25,8 @@ class PerTask(SeqLora):
 
     def end_task(self, model, out, report: Dict):
         """Keep (and save) the task's adapter and return the base model without it."""
+        from peft import get_peft_model_state_dict
+
         self.adapters.append({k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.peft_model).items()})
         if out is not None:
             self.peft_model.save_pretrained(out / "adapter")
@@ -38,6 +39,8 @@ class PerTask(SeqLora):
         if task_index >= len(self.adapters):
             yield model
             return
+        from peft import set_peft_model_state_dict
+
         scored = add_lora(model, self.rank)
         set_peft_model_state_dict(scored, self.adapters[task_index])
         try:
