@@ -71,13 +71,23 @@ HELP = {
     "diagnosis_task": "LayerTracer inputs: bbc-topic (few-shot BBC News topic classification) or context "
                       "(general blocks, first half as context)",
     "diagnosis_queries": "composite inputs (queries) of the LayerTracer diagnosis",
-    "lora_rank": "LoRA rank (lora, seq_lora, o_lora, replay with replay_base lora)",
+    "lora_rank": "LoRA rank (lora, seq_lora, o_lora, per_task, replay with replay_base lora)",
     "tasks": "comma-separated tasks in order: text files/folders, JSONL with 'text' (text task) or with "
              "'prompt'/'answer' (instruction task), python-docs, python-source, bbc-topic; or builtin "
              "(python-docs, python-source, bbc-topic)",
     "replay_fraction": "replay: share of every earlier task's training blocks mixed into a later task",
     "replay_base": "replay: on top of seq_full (full) or seq_lora (lora)",
     "o_lora_lambda": "o_lora: weight of the orthogonality penalty between the new and the earlier LoRA A's",
+    # deal
+    "deal_rank": "deal: LoRA rank",
+    "deal_filter": "deal: knowledge-retention filter: wavelet (the paper's heat-kernel network) or haar (the public "
+                   "code's one-level Haar DWT)",
+    "deal_filter_on": "deal: LoRA matrices that are filtered and updated: ab, a or b",
+    "deal_scales": "deal: number of heat-kernel scales of the wavelet filter",
+    "deal_lambda1": "deal: weight of the retention penalty ‖θ_retain‖_a^a",
+    "deal_a": "deal: exponent a of the retention penalty (a >= b)",
+    "deal_lambda2": "deal: weight of the update penalty ‖θ_update‖_b^b",
+    "deal_b": "deal: exponent b of the update penalty (>= 1)",
     "seed": "random seed (data split and order)",
     "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
     "device": "auto, cpu or cuda",

@@ -51,6 +51,15 @@ class ContinualConfig(TrainOptions):
     replay_fraction: float = 0.02     # replay: share of each earlier task's training blocks mixed in
     replay_base: str = "full"         # replay: on top of seq_full (full) or seq_lora (lora)
     o_lora_lambda: float = 0.5        # o_lora: weight of the orthogonality penalty
+    # deal
+    deal_rank: int = 8                # deal: LoRA rank
+    deal_filter: str = "wavelet"      # deal: retention filter: wavelet (heat-kernel network) | haar (public code)
+    deal_filter_on: str = "ab"        # deal: matrices filtered and updated: ab | a | b
+    deal_scales: int = 3              # deal: heat-kernel scales of the wavelet filter
+    deal_lambda1: float = 0.01        # deal: weight of ‖θ_retain‖_a^a
+    deal_a: float = 10.0              # deal: exponent a (>= b)
+    deal_lambda2: float = 0.001       # deal: weight of ‖θ_update‖_b^b
+    deal_b: float = 2.0               # deal: exponent b
 
 
 def config_from(overrides: Dict) -> ContinualConfig:
@@ -75,21 +84,23 @@ def metrics(matrix: List[List[float]]) -> Dict[str, Optional[float]]:
 class Evaluator:
     """Scores of a model on every task's held-out split and on the general corpus."""
 
-    def __init__(self, cfg, tasks, general_eval, device, eos_id, progress):
+    def __init__(self, cfg, tasks, general_eval, device, eos_id, progress, method):
         self.cfg, self.tasks, self.general_eval, self.device = cfg, tasks, general_eval, device
-        self.eos_id, self.progress = eos_id, progress
+        self.eos_id, self.progress, self.method = eos_id, progress, method
 
     def row(self, model, label: str) -> Dict:
+        """Task i is scored on the model `method.scoring(model, i)` yields; the general corpus on `model`."""
         scores, details = [], []
-        for task in self.tasks:
+        for i, task in enumerate(self.tasks):
             held = data.first_blocks(task.held, self.cfg.eval_blocks)
-            if task.kind == "instruction":
-                result = answer_scores(model, held, self.cfg.batch_size, self.device, self.eos_id)
-                scores.append(result["accuracy"])
-            else:
-                result = {"loss": evaluate(model, data.batches(held, self.cfg.batch_size), self.device,
-                                           f"eval {task.name} ({label})", self.progress)}
-                scores.append(-result["loss"])
+            with self.method.scoring(model, i) as scored:
+                if task.kind == "instruction":
+                    result = answer_scores(scored, held, self.cfg.batch_size, self.device, self.eos_id)
+                    scores.append(result["accuracy"])
+                else:
+                    result = {"loss": evaluate(scored, data.batches(held, self.cfg.batch_size), self.device,
+                                               f"eval {task.name} ({label})", self.progress)}
+                    scores.append(-result["loss"])
             details.append(result)
         general = evaluate(model, self.general_eval, self.device, f"eval general ({label})", self.progress)
         return {"label": label, "scores": scores, "details": details, "general_loss": general}
@@ -124,7 +135,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     parallel.barrier(device)
     general_probe = data.batches(data.first_blocks(g_train, cfg.probe_blocks), cfg.batch_size)
     evaluator = Evaluator(cfg, tasks, data.batches(data.first_blocks(g_held, cfg.eval_blocks), cfg.batch_size), device,
-                          tokenizer.eos_token_id, progress)
+                          tokenizer.eos_token_id, progress, method)
     blocks = [t.train for t in tasks]
 
     if checkpoint and checkpoint["completed"] > 0:
@@ -134,8 +145,9 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     history = checkpoint["history"] if checkpoint else []
     first = checkpoint["completed"] if checkpoint else 0
     inside = checkpoint is not None and "trainable" in checkpoint  # killed inside task `first`
+    if checkpoint:  # inside a task: the state the task started with (prepare may need it)
+        method.load_state_dict(checkpoint["task_start" if inside else "method"])
     if checkpoint and not inside:
-        method.load_state_dict(checkpoint["method"])
         _set_rng_state(checkpoint["rng"])
     log(f"{cfg.method} on {len(tasks)} tasks: {', '.join(f'{t.name} ({t.kind})' for t in tasks)}; "
         f"base general loss {rows[0]['general_loss']:.4f}")
@@ -145,6 +157,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
         domain_probe = data.batches(data.first_blocks(blocks[t], cfg.probe_blocks), cfg.batch_size)
         ctx = Context(general_probe, domain_probe, progress, torch.bfloat16 if bf16 else None, task_index=t, log=log)
+        task_start = method.state_dict()
         setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
         if main:
             task_dir.mkdir(exist_ok=True)
@@ -165,7 +178,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             if not main:
                 return
             state = {"completed": t, "step": done, "layers": setup.layers, "rows": rows, "per_task": per_task,
-                     "history": history, "task_history": task_history,
+                     "history": history, "task_history": task_history, "task_start": task_start,
                      **training_state(model, method, optimizer, scheduler)}
             atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 

@@ -12,10 +12,18 @@ method's name; it calls these hooks, in this order, for every task:
     ... loss = method.loss(model, batch) ...    # task loss (+ a method's penalty), backward, step
     model = method.end_task(model, out, report) # detach hooks, merge adapters, report extras
 
+and to score task i (0-based) after any task, `continual.Evaluator` runs its evaluation on the
+model that `with method.scoring(model, i) as scored:` yields: `model` itself for every method
+but `per_task`, which yields `model` with task i's own adapter (and `model` before task i is
+learned).
+
 `state_dict()` / `load_state_dict()` carry what a method must keep across a kill (resume) and
-across tasks. A new method is one file in this package: a `Method` subclass with the
-`@register` decorator; the runners and the CLI pick it up by its name.
+across tasks. A kill inside a task resumes by loading the state the method had when the task
+started, then `prepare`, then the state saved inside the task. A new method is one file in this
+package: a `Method` subclass with the `@register` decorator; the runners and the CLI pick it up
+by its name.
 """
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -143,6 +151,11 @@ class Method:
         on ranks other than 0), add report entries; returns the model to evaluate and save (a
         plain Hugging Face model)."""
         return model
+
+    @contextmanager
+    def scoring(self, model, task_index: int):
+        """Yield the model that task `task_index` (0-based) is scored with (default: `model`)."""
+        yield model
 
     def state_dict(self) -> Dict:
         return {}

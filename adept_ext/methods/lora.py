@@ -9,6 +9,14 @@ from .base import Method, MethodError, Setup, register
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def add_lora(model, r: int):
+    """`model` wrapped by PEFT with a fresh LoRA adapter of rank r on TARGET_MODULES: alpha = 2r
+    (scaling 2 at every rank), no dropout, PEFT's init (B = 0: the output is unchanged)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGET_MODULES))
+
+
 def lora_adapters(model):
     """(module name, PEFT LoRA layer) of every adapted projection of `model`."""
     from peft.tuners.lora import LoraLayer
@@ -26,14 +34,12 @@ class Lora(Method):
         super().__init__(cfg)
         if cfg.lora_rank < 1:
             raise MethodError(f"lora_rank must be >= 1, got {cfg.lora_rank}")
+        self.rank = cfg.lora_rank
         self.peft_model = None
 
     def prepare(self, model, ctx, layers=None) -> Setup:
-        from peft import LoraConfig, get_peft_model
-
-        r = self.cfg.lora_rank
-        self.peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
-                                                           target_modules=TARGET_MODULES))
+        r = self.rank
+        self.peft_model = add_lora(model, r)
         trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
         return Setup(trainable, self.groups(trainable), [], f"trains rank-{r} LoRA adapters on {', '.join(TARGET_MODULES)}")
 

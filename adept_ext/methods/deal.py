@@ -1,0 +1,185 @@
+"""DEAL (NeurIPS 2025, arXiv 2509.18942, method section; SPEC §4, docs/methods.md §4): continual
+LoRA fine-tuning that filters the previous task's LoRA factors Y = X + D (Y = A or B) down to
+their task core X̂ (knowledge retention) and adds the new task's knowledge with a small MLP on
+top (controlled update): Y' = X̂ + MLP(X̂), loss = L_task + λ1‖θ_retain‖_a^a + λ2‖θ_update‖_b^b.
+
+The LoRA carried across tasks: task 1 learns a plain rank-r PEFT LoRA (there is nothing to
+retain yet); after every task its factors (A', B') are merged into the weights and kept, and are
+the frozen Y of the next task. Task t's weights are W + s(B'A' − B₀A₀), with (A₀, B₀) the
+previous factors (already merged into W) — a rank-2r PEFT LoRA
+    lora_A = [ΔA; A₀],  lora_B = [B', ΔB]   (ΔY = Y' − Y₀, so lora_B·lora_A = B'A' − B₀A₀),
+whose weights are parametrizations (torch.nn.utils.parametrize) of the frozen factors. Filter and
+MLP start as exact zero residuals, so ΔA = ΔB = 0 and the output at the start of a task is the
+previous model's exactly; PEFT's merge then leaves a plain checkpoint (zero inference cost).
+"""
+from typing import Dict, List
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .base import MethodError, Setup, register, train_only
+from .lora import SeqLora, add_lora, lora_adapters
+
+FILTERS = ("wavelet", "haar")
+FILTER_ON = ("ab", "a", "b")
+
+
+class WaveletFilter(nn.Module):
+    """The paper's retention filter on a factor Y [r, n] = U diag(s) Vᵀ: a learned shrinkage of its
+    spectrum by a multi-scale network of heat kernels φ_j(s̃) = exp(−(s̃ − c_j)²/2σ_j²) on the
+    normalised singular values s̃ = s/max(s), with learnable centres c_j = c_j⁰ + δ_j (c⁰ evenly
+    spaced on [0, 1]) and diagonal gains g_j (one per singular component), σ_j = 2^−(j+1):
+        X̂ = U diag(s_k (1 + Σ_j g_jk φ_j(s̃_k))) Vᵀ
+    — the learnable form of the minimum-variance estimate Σ_k (σ_k² − σ_D²)/σ_k u_k v_kᵀ. θ_retain
+    = {g, δ}, both 0 at the start, where the residual X̂ − Y it returns is exactly 0."""
+
+    def __init__(self, y: torch.Tensor, scales: int):
+        super().__init__()
+        u, s, vh = torch.linalg.svd(y.detach().float(), full_matrices=False)
+        for name, value in (("u", u), ("s", s), ("vh", vh), ("s_norm", s / s.max().clamp_min(1e-12)),
+                            ("widths", 2.0 ** -torch.arange(2, scales + 2, dtype=torch.float32)),
+                            ("centres", torch.linspace(0.0, 1.0, scales))):
+            self.register_buffer(name, value, persistent=False)
+        self.shifts = nn.Parameter(torch.zeros(scales))
+        self.gains = nn.Parameter(torch.zeros(scales, len(s)))
+
+    def forward(self) -> torch.Tensor:
+        centres = self.centres + self.shifts
+        phi = torch.exp(-(self.s_norm - centres[:, None]).square() / (2 * self.widths[:, None].square()))
+        return (self.u * (self.s * (self.gains * phi).sum(0))) @ self.vh
+
+
+class HaarFilter(nn.Module):
+    """The public code's simplification: a one-level Haar DWT of Y [r, n] along n whose
+    approximation coefficients are scaled by 1 + θ_k (one per rank component) before the inverse
+    DWT. The inverse is linear, so the residual is θ_k times the pairwise means of Y (columns 2i,
+    2i+1; an odd last column is left alone); exactly 0 at the start (θ = 0)."""
+
+    def __init__(self, y: torch.Tensor, scales: int):
+        super().__init__()
+        y = y.detach().float()
+        pairs = y.shape[1] // 2 * 2
+        means = torch.zeros_like(y)
+        means[:, :pairs] = y[:, :pairs].reshape(len(y), -1, 2).mean(-1).repeat_interleave(2, dim=1)
+        self.register_buffer("means", means, persistent=False)
+        self.theta = nn.Parameter(torch.zeros(len(y)))
+
+    def forward(self) -> torch.Tensor:
+        return self.theta[:, None] * self.means
+
+
+class Update(nn.Module):
+    """The controlled update: an MLP r → max(128, r/2) → r with ReLU on each r-vector of X̂ (a
+    column of A, a row of B); its output layer starts at zero, so the residual starts at 0."""
+
+    def __init__(self, r: int):
+        super().__init__()
+        self.inner = nn.Linear(r, max(128, r // 2))
+        self.outer = nn.Linear(self.inner.out_features, r)
+        nn.init.zeros_(self.outer.weight)
+        nn.init.zeros_(self.outer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [r, n] -> [r, n]
+        return self.outer(torch.relu(self.inner(x.T))).T
+
+
+class Factor(nn.Module):
+    """Parametrization of one rank-2r PEFT factor from the frozen Y₀ (rank-major [r, n]):
+    ΔY = (X̂ − Y₀) + MLP(X̂). For lora_A [2r, d_in] = [ΔA; A₀]; for lora_B [d_out, 2r] = [B', ΔB]."""
+
+    def __init__(self, y0: torch.Tensor, is_b: bool, filter_cls, scales: int):
+        super().__init__()
+        self.is_b, self.r = is_b, y0.shape[0]
+        self.filter = filter_cls(y0, scales)
+        self.update = Update(self.r)
+
+    def delta(self, y0: torch.Tensor) -> torch.Tensor:
+        filtered = self.filter()
+        return filtered + self.update(y0 + filtered)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.is_b:
+            y0 = weight[:, :self.r]
+            d = self.delta(y0.T).T
+            return torch.cat([y0 + d, d], 1)
+        y0 = weight[self.r:]
+        return torch.cat([self.delta(y0), y0])
+
+
+@register
+class Deal(SeqLora):
+    name = "deal"
+    description = "DEAL: the previous LoRA filtered (wavelet kernels) and updated (MLP), merged after each task"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.rank = cfg.deal_rank
+        if self.rank < 1:
+            raise MethodError(f"deal_rank must be >= 1, got {self.rank}")
+        if cfg.deal_filter not in FILTERS:
+            raise MethodError(f"deal_filter must be one of {', '.join(FILTERS)}, got {cfg.deal_filter!r}")
+        if cfg.deal_filter_on not in FILTER_ON:
+            raise MethodError(f"deal_filter_on must be one of {', '.join(FILTER_ON)}, got {cfg.deal_filter_on!r}")
+        if cfg.deal_scales < 1:
+            raise MethodError(f"deal_scales must be >= 1, got {cfg.deal_scales}")
+        for name in ("deal_lambda1", "deal_lambda2"):
+            if not 0 <= getattr(cfg, name) < float("inf"):
+                raise MethodError(f"{name} must be a finite number >= 0, got {getattr(cfg, name)}")
+        if not 1 <= cfg.deal_b <= cfg.deal_a < float("inf"):
+            raise MethodError(f"deal_a >= deal_b >= 1 is needed (the retention norm at least as high as the "
+                              f"update norm), got a = {cfg.deal_a}, b = {cfg.deal_b}")
+        self.factors: Dict[str, tuple] = {}  # module name -> (A' [r, d_in], B' [d_out, r]) of the last task
+        self.retain: List[nn.Parameter] = []
+        self.updates: List[nn.Parameter] = []
+
+    def prepare(self, model, ctx, layers=None) -> Setup:
+        if not self.factors:  # task 1: a plain LoRA
+            return super().prepare(model, ctx, layers)
+        r, cfg = self.rank, self.cfg
+        filter_cls = WaveletFilter if cfg.deal_filter == "wavelet" else HaarFilter
+        self.peft_model = add_lora(model, 2 * r)  # scaling 2 as at rank r
+        self.retain, self.updates = [], []
+        for name, layer in lora_adapters(model):
+            a0, b0 = (f.to(layer.lora_A["default"].weight) for f in self.factors[name])
+            with torch.no_grad():
+                layer.lora_A["default"].weight.copy_(torch.cat([torch.zeros_like(a0), a0]))
+                layer.lora_B["default"].weight.copy_(torch.cat([b0, torch.zeros_like(b0)], 1))
+            for key, y0, is_b in (("a", a0, False), ("b", b0.T, True)):
+                if key in cfg.deal_filter_on:
+                    factor = Factor(y0, is_b, filter_cls, cfg.deal_scales).to(y0)
+                    parametrize.register_parametrization(layer.lora_B["default"] if is_b else layer.lora_A["default"],
+                                                         "weight", factor)
+                    self.retain += list(factor.filter.parameters())
+                    self.updates += list(factor.update.parameters())
+        trainable = train_only(model, self.retain + self.updates)
+        return Setup(trainable, self.groups(trainable), [],
+                     f"DEAL ({cfg.deal_filter} filter + MLP update on {cfg.deal_filter_on.upper()}) of the previous "
+                     f"rank-{r} LoRA on {len(self.factors)} projections")
+
+    def loss(self, model, batch) -> torch.Tensor:
+        with parametrize.cached():  # each adapted factor computed once per forward
+            loss = super().loss(model, batch)
+        cfg = self.cfg
+        for params, lam, power in ((self.retain, cfg.deal_lambda1, cfg.deal_a), (self.updates, cfg.deal_lambda2, cfg.deal_b)):
+            if params and lam:
+                loss = loss + lam * sum(p.abs().pow(power).sum() for p in params)
+        return loss
+
+    def end_task(self, model, out, report: Dict):
+        """Keep the adapted factors (A', B') as the next task's Y, then merge (a plain model again)."""
+        r = self.rank
+        with torch.no_grad():
+            for name, layer in lora_adapters(model):
+                a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+                if len(a) == 2 * r:  # [ΔA; A₀] and [B', ΔB]
+                    a, b = a[:r] + a[r:], b[:, :r]
+                self.factors[name] = (a.float().cpu().clone(), b.float().cpu().clone())
+        self.retain, self.updates = [], []
+        return super().end_task(model, out, report)
+
+    def state_dict(self) -> Dict:
+        return {"factors": dict(self.factors)}
+
+    def load_state_dict(self, state: Dict):
+        self.factors = dict(state["factors"])
