@@ -111,7 +111,7 @@ def test_adept_seq_freezes_the_first_tasks_copy_during_the_second(workspace):
     assert len(unchanged) == 1, "the first task's copy changed while the second task trained"
 
 
-@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora"])
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "eoupct"])
 def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
     full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
     import adept_ext.continual as continual_module
