@@ -40,10 +40,13 @@ def train_step(model, method, optimizer, batch):
 @pytest.mark.parametrize("mode,length", [("embeds", 16), ("gumbel", 16 + 8)])
 def test_proxy_has_the_right_shape_and_a_gradient_wrt_the_prompt(mode, length):
     model, method, _ = make(proxy=mode)
-    seq = method.pseudo_sequence(method.prompt)
-    assert seq.shape == (1, length, model.config.hidden_size)
+    seq, target = method.pseudo_sequence(method.prompt)
+    assert seq.shape == target.shape == (1, length, model.config.hidden_size)
+    with torch.no_grad():  # the teacher's features collected during generation = a forward on S
+        full = method.model(inputs_embeds=seq, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(target, full, rtol=1e-4, atol=1e-5)
     virt = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in zip(method.names, method.trainable)}
-    (grad,) = torch.autograd.grad(method.proxy_loss(seq, virt), [method.prompt])
+    (grad,) = torch.autograd.grad(method.proxy_loss(seq, target, virt), [method.prompt])
     assert grad.shape == method.prompt.shape and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
@@ -104,7 +107,7 @@ def test_conflict_correction_removes_a_planted_conflict(correct):
     model, method, optimizer = make(proxy="embeds", no_conflict=not correct)
     perturb_student(method)
     method._optimise_prompt([torch.zeros_like(p) for p in method.trainable])
-    g_pre = torch.autograd.grad(method.proxy_loss(method.cache[0], target=method.cache[1]), method.trainable)
+    g_pre = torch.autograd.grad(method.proxy_loss(*method.cache), method.trainable)
     torch.manual_seed(4)
     for p, g in zip(method.trainable, g_pre):  # g_new = −2 g_pre + noise: ⟨g_new, g_pre⟩ < 0
         p.grad = -2 * g + 0.01 * g.norm() * torch.randn_like(g)

@@ -176,10 +176,13 @@ class EoupCT(Method):
     def _features(self, out) -> torch.Tensor:
         return (out.hidden_states[-1] if self.cfg.eoupct_target == "hidden" else out.logits).float()
 
-    def _call(self, embeds, params=None, hidden=True):
+    def _call(self, embeds, params=None, past=None):
         """The student (params None), the student at other trainable values (params: name → tensor),
-        or the teacher (params "teacher"), on inputs_embeds."""
-        kwargs = dict(inputs_embeds=embeds, use_cache=False, output_hidden_states=hidden)
+        or the teacher (params "teacher"), on inputs_embeds; with a KV cache (past) for the teacher's
+        generation. The logits of every position only when L_pre compares logits."""
+        kwargs = dict(inputs_embeds=embeds, use_cache=params == "teacher", cache=past,
+                      output_hidden_states=self.cfg.eoupct_target == "hidden",
+                      logits_to_keep=0 if self.cfg.eoupct_target == "logits" else 1)
         with torch.autocast(embeds.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
             if params == "teacher":
                 if self.teacher is not None:
@@ -187,26 +190,28 @@ class EoupCT(Method):
                 params = self.adapter
             return self.model(**kwargs) if params is None else functional_call(self.model, params, (), kwargs)
 
-    def pseudo_sequence(self, prompt: torch.Tensor) -> torch.Tensor:
-        """S(P) [1, L (+M), H]: the prompt itself (`embeds`) or continued by the teacher for M positions
-        with e_m = Σ_i π_i W_emb,i, π = softmax((top-50 logits + Gumbel noise)/τ) (`gumbel`).
-        Differentiable w.r.t. the prompt."""
-        seq = prompt[None]
-        if self.cfg.eoupct_proxy == "gumbel":
-            teacher = self.teacher if self.teacher is not None else self.model
-            emb = teacher.get_input_embeddings().weight
-            for _ in range(self.cfg.eoupct_gen_steps):
-                logits = self._call(seq.to(emb.dtype), "teacher", hidden=False).logits[:, -1].float()
-                values, index = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1)
-                gumbel = -torch.empty_like(values).exponential_().log()
-                pi = torch.softmax((values + gumbel) / self.cfg.eoupct_tau, dim=-1)
-                seq = torch.cat([seq, (pi[:, None] @ emb[index].float())], dim=1)
-        return seq
+    def pseudo_sequence(self, prompt: torch.Tensor):
+        """(S(P) [1, L (+M), H], F_teacher(S)): the prompt itself (`embeds`) or continued by the teacher
+        for M positions with e_m = Σ_i π_i W_emb,i, π = softmax((top-50 logits + Gumbel noise)/τ)
+        (`gumbel`; one position per call with a KV cache, the teacher's features of S collected on the
+        way). Differentiable w.r.t. the prompt."""
+        steps = self.cfg.eoupct_gen_steps if self.cfg.eoupct_proxy == "gumbel" else 0
+        emb = (self.teacher or self.model).get_input_embeddings().weight
+        pieces, features, past = [prompt[None]], [], None
+        for m in range(steps + 1):
+            out = self._call(pieces[-1].to(emb.dtype), "teacher", past)
+            features.append(self._features(out))
+            if m == steps:
+                break
+            values, index = out.logits[:, -1].float().topk(min(TOP_K, out.logits.shape[-1]), dim=-1)
+            gumbel = -torch.empty_like(values).exponential_().log()
+            pi = torch.softmax((values + gumbel) / self.cfg.eoupct_tau, dim=-1)
+            pieces.append(pi[:, None] @ emb[index].float())
+            past = out.cache
+        return torch.cat(pieces, dim=1), torch.cat(features, dim=1)
 
-    def proxy_loss(self, seq: torch.Tensor, params=None, target: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def proxy_loss(self, seq: torch.Tensor, target: torch.Tensor, params=None) -> torch.Tensor:
         """L_pre(θ; S) = MSE(F_teacher(S), F_θ(S)) (θ: the student, or `params`)."""
-        if target is None:
-            target = self._features(self._call(seq, "teacher"))
         return F.mse_loss(self._features(self._call(seq, params)), target)
 
     def _optimise_prompt(self, g_new: List[torch.Tensor]):
@@ -219,7 +224,7 @@ class EoupCT(Method):
         for _ in range(self.cfg.eoupct_proxy_steps):
             # The penalty differentiates through g_pre(P) (double backward): math attention has one.
             with sdpa_kernel([SDPBackend.MATH]) if penalty else nullcontext():
-                objective = self.proxy_loss(self.pseudo_sequence(self.prompt), virt)
+                objective = self.proxy_loss(*self.pseudo_sequence(self.prompt), virt)
                 if penalty:
                     g = torch.autograd.grad(objective, list(virt.values()), create_graph=True, allow_unused=True)
                     g = [torch.zeros_like(v) if x is None else x for x, v in zip(g, virt.values())]
@@ -230,8 +235,7 @@ class EoupCT(Method):
             self.prompt.grad = -grad  # ascent
             self.prompt_opt.step()
         with torch.no_grad():
-            seq = self.pseudo_sequence(self.prompt)
-            self.cache = (seq, self._features(self._call(seq, "teacher")))
+            self.cache = self.pseudo_sequence(self.prompt)
 
     # ------------------------------------------------------------------ the step
     def _before_step(self, optimizer, args, kwargs):
@@ -245,7 +249,7 @@ class EoupCT(Method):
         if self.prompt is not None:
             if self._prompt_due() or self.cache is None:
                 self._optimise_prompt(g_new)
-            loss = self.proxy_loss(self.cache[0], target=self.cache[1])
+            loss = self.proxy_loss(*self.cache)
             g_pre = torch.autograd.grad(loss, self.trainable, allow_unused=True)  # not .backward: .grad stays g_new
             g_pre = [torch.zeros_like(p) if g is None else g.contiguous() for g, p in zip(g_pre, self.trainable)]
             self.last_pre = g_pre
