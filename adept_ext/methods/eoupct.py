@@ -115,11 +115,13 @@ class EoupCT(Method):
             from peft import LoraConfig, get_peft_model
 
             r = self.cfg.eoupct_rank
-            self.peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGET_MODULES))
+            config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGET_MODULES)
+            self.peft_model = get_peft_model(model, config)
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             if self.adapter is None:  # first task: PEFT's initialisation (B = 0), nothing merged yet
                 self.adapter = {n: p.detach().clone() for n, p in named}
             else:
+                self.adapter = {n: t.to(named[0][1].device) for n, t in self.adapter.items()}
                 with torch.no_grad():
                     for n, p in named:
                         p.copy_(self.adapter[n])
@@ -143,7 +145,8 @@ class EoupCT(Method):
             self.prompt = emb.detach()[ids.to(emb.device)].clone().float().requires_grad_(True)
             self.prompt_opt = torch.optim.Adam([self.prompt], lr=self.cfg.eoupct_proxy_lr)
         if self.cfg.eoupct_memory == "gpm":
-            self.windows = [[torch.zeros_like(p) for p in self.trainable] for _ in range(2 * self.cfg.eoupct_directions)]
+            self.windows = [[torch.zeros_like(p) for p in self.trainable]
+                            for _ in range(2 * self.cfg.eoupct_directions)]
         return Setup(self.trainable, self.groups(self.trainable), [],
                      f"{summary}; proxy {self.cfg.eoupct_proxy}, memory {k} directions")
 
@@ -159,9 +162,9 @@ class EoupCT(Method):
         self.base_shifted = True
 
     def attach(self, optimizer):
-        # Registered before the projector's hooks: torch runs step pre-hooks in registration order,
-        # so θ_old is saved after .grad holds the corrected direction (the order does not matter for
-        # θ_old, only that the projector's post-hook sees the whole step).
+        # Ours first: torch runs step pre-hooks in registration order, so .grad holds g̃_new* + g̃_pre
+        # when the projector's pre-hook saves θ_old (it does not read .grad), and its post-hook
+        # projects the change AdamW made from that direction.
         self._handles = [optimizer.register_step_pre_hook(self._before_step)]
         if self.cfg.eoupct_where == "update":
             self._projector = NullSpaceProjector(optimizer, self.memory, where="update")
@@ -183,7 +186,8 @@ class EoupCT(Method):
         kwargs = dict(inputs_embeds=embeds, use_cache=params == "teacher", cache=past,
                       output_hidden_states=self.cfg.eoupct_target == "hidden",
                       logits_to_keep=0 if self.cfg.eoupct_target == "logits" else 1)
-        with torch.autocast(embeds.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+        bf16 = self.autocast is not None
+        with torch.autocast(embeds.device.type, dtype=self.autocast or torch.float32, enabled=bf16):
             if params == "teacher":
                 if self.teacher is not None:
                     return self.teacher(**kwargs)
@@ -220,7 +224,8 @@ class EoupCT(Method):
         features for the following steps. The student's weights are never written."""
         alpha = 0.0 if self.cfg.eoupct_no_virtual else self.cfg.eoupct_alpha
         penalty = self.cfg.eoupct_lambda > 0 and bool(self.proxy_grads)
-        virt = {n: (p.detach() - alpha * g).requires_grad_(penalty) for n, p, g in zip(self.names, self.trainable, g_new)}
+        virt = {n: (p.detach() - alpha * g).requires_grad_(penalty)
+                for n, p, g in zip(self.names, self.trainable, g_new)}
         for _ in range(self.cfg.eoupct_proxy_steps):
             # The penalty differentiates through g_pre(P) (double backward): math attention has one.
             with sdpa_kernel([SDPBackend.MATH]) if penalty else nullcontext():
@@ -245,7 +250,8 @@ class EoupCT(Method):
                 p.grad = torch.zeros_like(p)
         g_new = [p.grad for p in self.trainable]
         if self.windows:
-            torch._foreach_add_(self.windows[self.step * len(self.windows) // self.cfg.steps % len(self.windows)], g_new)
+            window = self.step * len(self.windows) // self.cfg.steps
+            torch._foreach_add_(self.windows[min(window, len(self.windows) - 1)], g_new)
         if self.prompt is not None:
             if self._prompt_due() or self.cache is None:
                 self._optimise_prompt(g_new)
