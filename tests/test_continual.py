@@ -163,6 +163,7 @@ def test_builtin_sequence_tasks(workspace):
     (dict(method="magic"), "unknown method"),
     (dict(replay_fraction=0.0, method="replay"), "replay_fraction must be in"),
     (dict(o_lora_lambda=-1.0, method="o_lora"), "o_lora_lambda must be >= 0"),
+    (dict(eoupct_tau=0.0, method="eoupct"), "eoupct_tau must be > 0"),
 ])
 def test_bad_inputs_are_one_line_errors_and_write_nothing(workspace, tmp_path, capsys, change, message):
     (tmp_path / "empty.txt").write_text("  ")

@@ -85,6 +85,22 @@ def test_after_a_task_the_updates_are_orthogonal_to_the_stored_directions(studen
         assert method.memory.orthogonality_error(delta) <= 1e-5
 
 
+def test_the_kept_adapter_is_re_added_without_changing_the_function():
+    model, method, optimizer = make()
+    batches = padded_batches(n_batches=2)
+    for batch in batches:
+        train_step(model, method, optimizer, batch)
+    kept = {n: t.clone() for n, t in method.adapter.items()}
+    model = method.end_task(model, None, {})
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        merged = model(**batches[0]).logits
+    method.prepare(model, Context(general_probe=[], task_index=1))
+    assert any(not torch.equal(kept[n], t) for n, t in method.adapter.items())  # the end-of-task adapter
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batches[0]).logits, merged, rtol=1e-5, atol=1e-5)
+
+
 def test_grad_projection_alone_does_not_hold_with_adamw():
     """The measured reason for where="update": AdamW rescales a projected gradient out of the null space."""
     model, method, optimizer = make(where="grad", proxy="none")

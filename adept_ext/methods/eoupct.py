@@ -29,7 +29,7 @@ adds the adapter again with those A, B and subtracts their product from the weig
 function is unchanged and the stored directions keep their meaning. The teacher is the same
 model called (torch.func.functional_call) with the adapter as it was when the task started: no
 model copy. The `full` student keeps a frozen deep copy as teacher (one more model in memory).
-DDP (world size > 1) is not supported: a MethodError before anything loads.
+DDP (world size > 1) is not supported: a MethodError in `check`, before anything trains.
 """
 import copy
 from contextlib import nullcontext
