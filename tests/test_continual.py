@@ -111,7 +111,7 @@ def test_adept_seq_freezes_the_first_tasks_copy_during_the_second(workspace):
     assert len(unchanged) == 1, "the first task's copy changed while the second task trained"
 
 
-@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "deal", "per_task"])
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "eoupct", "deal", "per_task"])
 def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
     full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
     import adept_ext.continual as continual_module
@@ -164,6 +164,7 @@ def test_builtin_sequence_tasks(workspace):
     (dict(replay_fraction=0.0, method="replay"), "replay_fraction must be in"),
     (dict(o_lora_lambda=-1.0, method="o_lora"), "o_lora_lambda must be >= 0"),
     (dict(deal_a=1.0, method="deal"), "deal_a >= deal_b >= 1 is needed"),
+    (dict(eoupct_tau=0.0, method="eoupct"), "eoupct_tau must be > 0"),
 ])
 def test_bad_inputs_are_one_line_errors_and_write_nothing(workspace, tmp_path, capsys, change, message):
     (tmp_path / "empty.txt").write_text("  ")

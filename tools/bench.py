@@ -3,7 +3,7 @@
 for linear_cross_entropy, the installed peers: cut-cross-entropy, Liger), measured in one run on
 the same data. Medians over repeats, after warm-up.
 
-    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|probe_scaling|all
+    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|probe_scaling|eoupct_step|all
         [--size small|large] [--quick] [--json PATH] [--device cpu|cuda]
 
 --size small (default) is what 2 CPU cores finish in minutes; --size large is what users run on
@@ -372,6 +372,52 @@ def bench_placement(args, device):
         results[f"{name}_vs_importance"] = results[f"{name}_s"] / base
         print(f"{name:13} {results[name + '_s']:7.2f} s  {results[name + '_vs_importance']:5.2f}x importance  "
               f"layers {results[name + '_layers']}")
+    return results
+
+
+# ---------------------------------------------------------------- eoupct_step
+def bench_eoupct_step(args, device):
+    """One optimizer step (loss, backward, clipping, AdamW) of seq_lora against eoupct on the same
+    model and batch, in the same run: eoupct adds the proxy gradient (every step), the prompt search
+    with the virtual step (every eoupct_proxy_every steps, averaged over such a cycle), and the
+    projections. Shown: the ratio eoupct / seq_lora (the target is <= 3 on a CPU)."""
+    from adept_ext.continual import ContinualConfig
+    from adept_ext.methods import Context, create
+    from adept_ext.models import load_model
+    from adept_ext.train import optimizer_for
+
+    if args.size == "large":
+        make = functools.partial(random_model, "qwen3-0.6b-shape", torch.float32, device)
+        batch_size, seq = 8, 512
+    else:
+        make = lambda: load_model("smollm2-135m", device=device)[0]  # noqa: E731
+        batch_size, seq = (1, 64) if args.quick else (2, 128)
+    cycles = 1 if args.quick else 2
+    results = {"batch": batch_size, "seq": seq}
+    for name, extra in (("seq_lora", {}), ("eoupct", {}), ("eoupct_embeds", {"eoupct_proxy": "embeds"})):
+        cfg = ContinualConfig(method=name.split("_embeds")[0], lora_rank=4, steps=100, warmup_steps=0, **extra)
+        model = make()
+        batch = random_batches(model.config.vocab_size, 1, batch_size, seq, device)[0]
+        method = create(cfg.method, cfg, sequence=True)
+        setup = method.prepare(model, Context(general_probe=[]))
+        optimizer, _ = optimizer_for(method, setup, cfg)
+        model.train()
+
+        def cycle():  # eoupct_proxy_every steps: one with the prompt search, the others without
+            for _ in range(cfg.eoupct_proxy_every):
+                optimizer.zero_grad(set_to_none=True)
+                method.loss(model, batch).backward()
+                torch.nn.utils.clip_grad_norm_(setup.trainable, 1.0)
+                optimizer.step()
+
+        results[f"{name}_step_s"] = median_time(cycle, device, cycles, warmup=1) / cfg.eoupct_proxy_every
+        del model, method, optimizer
+    base = results["seq_lora_step_s"]
+    print(f"\none optimizer step, batch {batch_size} x {seq} tokens, device {device} "
+          f"({torch.get_num_threads()} threads)")
+    for name in ("seq_lora", "eoupct", "eoupct_embeds"):
+        results[f"{name}_vs_seq_lora"] = results[f"{name}_step_s"] / base
+        print(f"{name:14} {results[name + '_step_s'] * 1e3:9.1f} ms  {results[name + '_vs_seq_lora']:5.2f}x seq_lora")
     return results
 
 
@@ -832,7 +878,7 @@ def bench_probe_scaling(args, device):
 
 BENCHMARKS = {"importance": bench_importance, "probe": bench_probe, "lr": bench_lr, "projection": bench_projection,
               "lens": bench_lens, "linear_ce": bench_linear_ce, "placement": bench_placement,
-              "probe_scaling": bench_probe_scaling}
+              "probe_scaling": bench_probe_scaling, "eoupct_step": bench_eoupct_step}
 
 
 def main(argv=None):
