@@ -119,6 +119,9 @@ def _gathered_for_probe(model, layers):
 
     sharded = [layer for layer in layers if isinstance(layer, FSDPModule)]
     if not isinstance(model, FSDPModule):
+        if sharded:
+            raise ValueError("the decoder layers are sharded (fully_shard) but the model is not: shard the root "
+                             "module too (as adept_ext.parallel.fully_shard_model does)")
         yield
         return
     handles = [layer.register_forward_pre_hook(lambda module, args, previous=previous: previous.reshard())

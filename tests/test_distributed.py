@@ -243,17 +243,24 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
     assert (tmp_path / "ddp" / "report.json").exists() and (tmp_path / "ddp" / "model").is_dir()
 
 
-@pytest.mark.parametrize("method", ["full", "adept", "llama_pro"])
-def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method):
+@pytest.mark.parametrize("method,tied", [("full", True), ("adept", False), ("llama_pro", False)])
+def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, tied):
     """FSDP2 (fully_shard per decoder layer, 2 gloo ranks) trains what one process trains with the
     same global batch: the losses agree to 1e-4 relative (float rounding of sharded reductions),
-    and the saved model is one plain Hugging Face checkpoint with the trained weights."""
-    from transformers import AutoModelForCausalLM
+    and the saved model is one plain Hugging Face checkpoint with the trained weights (also with
+    tied embeddings, as SmolLM2 has)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from adept_ext.train import config_from, run
 
     ws = run_workspace
-    options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
+    model_dir = ws / "tiny"
+    if tied:
+        model_dir = tmp_path / "tied"
+        tokenizer = AutoTokenizer.from_pretrained(ws / "tiny")
+        tiny_model("llama", layers=4, vocab=len(tokenizer), tie=True).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    options = dict(model=str(model_dir), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
                    method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=3,
                    eval_blocks=4, eval_every=2, save_every=0, recompute_every=2, lr=1e-3)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
@@ -264,6 +271,7 @@ def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_works
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "model").state_dict()
     for name, value in saved.state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5)
+    assert (saved.lm_head.weight is saved.model.embed_tokens.weight) == tied
     assert sorted(p.name for p in (tmp_path / "fsdp").iterdir()) == sorted(
         p.name for p in (tmp_path / "single").iterdir())
 
