@@ -70,15 +70,16 @@ class HaarFilter(nn.Module):
 
 
 class Update(nn.Module):
-    """The controlled update: an MLP r → max(128, r/2) → r with ReLU on each r-vector of X̂ (a
-    column of A, a row of B); its output layer starts at zero, so the residual starts at 0."""
+    """The controlled update: an MLP x ↦ B relu(Ω x), r → max(128, r/2) → r, on each r-vector x of
+    X̂ (a column of A, a row of B); θ_update = {Ω, B}. B starts at zero, so the residual starts at
+    0. No biases: a bias adds the same vector to every column of A (row of B) — an update along
+    the all-ones input (output) direction that dominates at LoRA's scale (docs/methods.md §4)."""
 
     def __init__(self, r: int):
         super().__init__()
-        self.inner = nn.Linear(r, max(128, r // 2))
-        self.outer = nn.Linear(self.inner.out_features, r)
+        self.inner = nn.Linear(r, max(128, r // 2), bias=False)
+        self.outer = nn.Linear(self.inner.out_features, r, bias=False)
         nn.init.zeros_(self.outer.weight)
-        nn.init.zeros_(self.outer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [r, n] -> [r, n]
         return self.outer(torch.relu(self.inner(x.T))).T
