@@ -106,8 +106,8 @@ HELP = {
     "eoupct_where": "eoupct: project the optimizer's update (update, exact with AdamW) or only the gradients (grad)",
     "eoupct_target": "eoupct: L_pre on the last hidden states (hidden) or on the logits (logits)",
     "eoupct_directions": "eoupct: directions added to the null-space memory per task",
-    "eoupct_memory": "eoupct: memory directions: gpm (strongest directions of the task's gradients) or delta "
-                     "(the task's parameter change)",
+    "eoupct_memory": "eoupct: memory directions per task: delta (the task's parameter change) or gpm (the "
+                     "strongest directions of the task's gradients)",
     "seed": "random seed (data split and order)",
     "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
     "device": "auto, cpu or cuda",

@@ -75,7 +75,7 @@ class ContinualConfig(TrainOptions):
     eoupct_where: str = "update"      # project the optimizer update (update) or only the gradients (grad)
     eoupct_target: str = "hidden"     # L_pre on the last hidden states (hidden) or the logits (logits)
     eoupct_directions: int = 4        # directions added to the memory per task
-    eoupct_memory: str = "gpm"        # gpm (top directions of the task's gradients) | delta (the task's change)
+    eoupct_memory: str = "delta"      # delta (the task's parameter change) | gpm (top directions of its gradients)
 
 
 def config_from(overrides: Dict) -> ContinualConfig:

@@ -156,8 +156,8 @@ def test_bad_hyperparameters_are_method_errors_when_the_method_is_created(change
 
 @pytest.mark.parametrize("change", [dict(eoupct_student="full"), dict(eoupct_proxy="embeds"),
                                     dict(eoupct_proxy="none"), dict(eoupct_no_virtual=True, eoupct_no_conflict=True),
-                                    dict(eoupct_where="grad", eoupct_target="logits", eoupct_memory="delta")],
-                         ids=["full", "embeds", "none", "no_virtual_no_conflict", "grad_logits_delta"])
+                                    dict(eoupct_where="grad", eoupct_target="logits", eoupct_memory="gpm")],
+                         ids=["full", "embeds", "none", "no_virtual_no_conflict", "grad_logits_gpm"])
 def test_options_run_end_to_end_on_user_task_files(workspace, change):  # noqa: F811
     name = "eo-" + "-".join(f"{v}" for v in change.values())
     report = run(options(workspace, name, method="eoupct", **change), progress=False, log=quiet)

@@ -17,11 +17,12 @@ kept across the whole sequence, or every parameter), and per optimizer step
 and AdamW's actual update is projected again (`where="update"`, Adam-NSCL), because AdamW's
 per-coordinate scaling moves a projected gradient's step back out of the null space.
 
-Memory (Algorithm 1, our choice of directions): during a task the raw task gradients are summed
-in 2·`eoupct_directions` consecutive windows of steps; at the end the strongest
-`eoupct_directions` principal directions of these window sums (eigenvectors of their Gram
-matrix, GPM's energy criterion) are added to a `GradientMemory` (`gpm`). The alternative
-`delta` adds the task's parameter change θ_end − θ_start.
+Memory (Algorithm 1, our choice of directions): after a task its parameter change
+θ_end − θ_start is added to a `GradientMemory` (`delta`, the default: it measured better than
+`gpm` on the built-in sequence, docs/methods.md §2.1). The alternative `gpm` sums the raw task
+gradients in 2·`eoupct_directions` consecutive windows of steps and adds the strongest
+`eoupct_directions` principal directions of these sums (eigenvectors of their Gram matrix,
+GPM's energy criterion).
 
 The LoRA student's parameter space persists across tasks: after a task the adapter is merged
 into the weights (a plain HF model to evaluate and save) and its A, B are kept; the next task
