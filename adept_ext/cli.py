@@ -53,6 +53,9 @@ HELP = {
     "placement": "where adept, adept_uniform_lr and adept_no_expand put their k layers: importance (ADEPT), "
                  "uniform (LLaMA-Pro's spacing), domain_aware, plasticity, depth (below --boundary), spread "
                  "(least important per depth block); see adept_ext/placement.py",
+    "streaming": "read the corpora as streams through Hugging Face datasets: corpus order, no cache, only "
+                 "what the run consumes is read (for corpora too large to tokenise up front)",
+    "data_workers": "processes tokenising a file, folder or saved-dataset corpus (0 = the CPU count, at most 8)",
     "block_len": "tokens per block",
     "batch_size": "blocks per micro-batch",
     "grad_accum": "micro-batches per optimizer step",

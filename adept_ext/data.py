@@ -12,8 +12,9 @@ import json
 import random
 import sysconfig
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 BUILTIN_CORPORA = ("bbc-news", "python-docs", "python-source")
@@ -31,7 +32,10 @@ def _read_jsonl(path: Path) -> List[str]:
     for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ValueError(f"{path}:{n}: expected a JSON object with a string 'text' field")
         texts.append(record["text"])
@@ -102,50 +106,130 @@ def load_texts(source) -> List[str]:
     return texts
 
 
-def _pad_rows(rows: List[List[int]], pad: int, width: int = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: Sequence[Sequence[int]], pad: int, width: int = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [n, width] ids (width: the longest row by default) and their attention mask."""
     width = width or max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
+        ids[i, :len(r)] = torch.as_tensor(r)
         mask[i, :len(r)] = 1
     return ids, mask
+
+
+def block_rows(rows: Sequence[Sequence[int]], pad: int, width: int) -> Dict[str, torch.Tensor]:
+    """Blocks of token rows (each at most `width`): input_ids, attention_mask and labels (the ids
+    with -100 at padding; the model shifts them)."""
+    input_ids, attention_mask = pad_rows(rows, pad, width)
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+
+
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad token, else its EOS token; ValueError when it has neither."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an EOS token")
+    return pad
+
+
+def pack_stream(docs: Iterable[Sequence[int]], eos) -> np.ndarray:
+    """One int32 token stream: the documents' ids, each followed by `eos` (when not None)."""
+    sep = [] if eos is None else [eos]
+    return np.fromiter((t for doc in docs for t in (*doc, *sep)), dtype=np.int32)
+
+
+class PackedBlocks:
+    """Blocks of `block_len` tokens cut from one token stream (documents joined by EOS): block i
+    is stream[i·L, (i+1)·L), the last one right-padded, and dropped when it has fewer than 2
+    tokens (nothing to score). Rows are built on access, so a stream memory-mapped from disk
+    (`large_corpus`) is never read whole. labels = input ids with -100 at padding (the model
+    shifts them)."""
+
+    def __init__(self, stream: np.ndarray, block_len: int, pad: int):
+        if block_len < 2:
+            raise ValueError(f"block_len must be >= 2, got {block_len}")
+        self.stream, self.block_len, self.pad = stream, block_len, pad
+        n = -(-len(stream) // block_len)
+        self.num_blocks = n - 1 if n and len(stream) - (n - 1) * block_len < 2 else n
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def rows(self, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
+        """input_ids, attention_mask and labels [len(indices), block_len] of those blocks."""
+        positions = np.asarray(indices, dtype=np.int64)[:, None] * self.block_len + np.arange(self.block_len)
+        inside = positions < len(self.stream)
+        ids = np.where(inside, self.stream[np.minimum(positions, len(self.stream) - 1)], self.pad)
+        input_ids = torch.from_numpy(ids.astype(np.int64))
+        attention_mask = torch.from_numpy(inside.astype(np.int64))
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+
+    def batches(self, indices: Sequence[int], batch_size: int) -> List[Dict[str, torch.Tensor]]:
+        """The blocks `indices` as consecutive batches of `batch_size` (built now: for small sets)."""
+        return list(LazyBatches(self, indices, batch_size))
+
+
+class LazyBatches(Sequence):
+    """Batch i = blocks indices[i·B, (i+1)·B) of `blocks`, read when it is asked for: the
+    training set of a corpus of any size, indexable like a list of batches."""
+
+    def __init__(self, blocks: PackedBlocks, indices: Sequence[int], batch_size: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.blocks, self.indices, self.batch_size = blocks, indices, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"batch {i} of {len(self)}")
+        i %= len(self)
+        return self.blocks.rows(self.indices[i * self.batch_size:(i + 1) * self.batch_size])
 
 
 def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bool = True) -> Dict[str, torch.Tensor]:
     """Tokenise and cut into blocks of `block_len` tokens.
 
     pack=True: documents are joined with the EOS token and cut into consecutive blocks (only the
-    last block is padded). pack=False: each document is cut on its own and its last block padded.
-    Returns input_ids, attention_mask and labels [n_blocks, block_len]; labels are the input ids
-    with -100 at padding (the model shifts them). Raises ValueError when no block has a token to
-    score.
+    last block is padded; `PackedBlocks`). pack=False: each document is cut on its own and its
+    last block padded. Returns input_ids, attention_mask and labels [n_blocks, block_len]; labels
+    are the input ids with -100 at padding (the model shifts them). Raises ValueError when no
+    block has a token to score.
     """
     if block_len < 2:
         raise ValueError(f"block_len must be >= 2, got {block_len}")
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    if pad is None:
-        raise ValueError("the tokenizer has neither a pad nor an EOS token")
+    pad = pad_id(tokenizer)
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     if pack:
-        stream = [t for doc in ids for t in (doc + ([eos] if eos is not None else []))]
-        pieces = [stream[i:i + block_len] for i in range(0, len(stream), block_len)]
-    else:
-        pieces = [doc[i:i + block_len] for doc in ids for i in range(0, len(doc), block_len)]
+        blocks = PackedBlocks(pack_stream(ids, tokenizer.eos_token_id), block_len, pad)
+        if not len(blocks):
+            raise ValueError("the texts yield no block with a token to score (empty or too short)")
+        return blocks.rows(range(len(blocks)))
+    pieces = [doc[i:i + block_len] for doc in ids for i in range(0, len(doc), block_len)]
     pieces = [p for p in pieces if len(p) >= 2]  # a block needs one target to score
     if not pieces:
         raise ValueError("the texts yield no block with a token to score (empty or too short)")
-    input_ids, attention_mask = _pad_rows(pieces, pad, block_len)
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return block_rows(pieces, pad, block_len)
 
 
-def split_blocks(blocks: Dict[str, torch.Tensor], heldout_fraction: float = 0.1,
-                 seed: int = 0) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """Deterministic shuffle (by `seed`), then (train, held-out) with at least one block in each."""
-    n = blocks["input_ids"].shape[0]
+def corpus_blocks(source: str, tokenizer, block_len: int = 128, workers: int = 1) -> PackedBlocks:
+    """A corpus as `PackedBlocks`: a built-in corpus tokenised in memory; a file, folder or saved
+    dataset through `large_corpus` (Hugging Face datasets, cached on disk, memory-mapped). The
+    blocks are those of `token_blocks(load_texts(source), ...)` either way."""
+    if source in BUILTIN_CORPORA:
+        ids = tokenizer(load_texts(source), add_special_tokens=False)["input_ids"]
+        return PackedBlocks(pack_stream(ids, tokenizer.eos_token_id), block_len, pad_id(tokenizer))
+    from .large_corpus import packed_blocks
+
+    return packed_blocks(source, tokenizer, block_len, workers)
+
+
+def split_indices(n: int, heldout_fraction: float = 0.1, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Deterministic shuffle of range(n) (by `seed`), then (train, held-out) block indices with at
+    least one in each."""
     if n < 2:
         raise ValueError(f"need at least 2 blocks to hold some out, got {n}")
     if not 0 < heldout_fraction < 1:
@@ -153,7 +237,14 @@ def split_blocks(blocks: Dict[str, torch.Tensor], heldout_fraction: float = 0.1,
     order = list(range(n))
     random.Random(seed).shuffle(order)
     k = min(n - 1, max(1, round(n * heldout_fraction)))
-    held, train = torch.tensor(order[:k]), torch.tensor(order[k:])
+    order = np.asarray(order, dtype=np.int64)
+    return order[k:], order[:k]
+
+
+def split_blocks(blocks: Dict[str, torch.Tensor], heldout_fraction: float = 0.1,
+                 seed: int = 0) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Deterministic shuffle (by `seed`), then (train, held-out) with at least one block in each."""
+    train, held = (torch.from_numpy(i) for i in split_indices(blocks["input_ids"].shape[0], heldout_fraction, seed))
     return ({key: v[train] for key, v in blocks.items()}, {key: v[held] for key, v in blocks.items()})
 
 
@@ -195,7 +286,7 @@ def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: in
     def tokens(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     rows, context_lens, answers = [], [], []
     for query in rng.sample(range(len(articles)), n_queries):
         order = rng.sample(topics, len(topics))
@@ -206,7 +297,7 @@ def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: in
         answers.append(tokens(" " + articles[query][1])[0])
     out = []
     for b0 in range(0, n_queries, batch_size):
-        ids, mask = _pad_rows(rows[b0:b0 + batch_size], pad)
+        ids, mask = pad_rows(rows[b0:b0 + batch_size], pad)
         positions = torch.arange(ids.shape[1])
         lens = mask.sum(1, keepdim=True)
         out.append({"input_ids": ids, "attention_mask": mask,

@@ -165,3 +165,14 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
 def barrier(device: Optional[torch.device] = None):
     if world_size() > 1:
         dist.barrier(device_ids=[device.index] if device is not None and device.type == "cuda" else None)
+
+
+@contextmanager
+def rank_zero_first(device: Optional[torch.device] = None):
+    """Rank 0 runs the block first (e.g. building a cache), the other ranks after it (reading
+    that cache); a plain block in one process."""
+    if rank() != 0:
+        barrier(device)
+    yield
+    if rank() == 0:
+        barrier(device)

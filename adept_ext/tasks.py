@@ -101,7 +101,7 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
         rows.append(p + a)
         answer_starts.append(len(p))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    input_ids, attention_mask = data._pad_rows(rows, pad, block_len)
+    input_ids, attention_mask = data.pad_rows(rows, pad, block_len)
     positions = torch.arange(block_len)
     labelled = (positions >= torch.tensor(answer_starts)[:, None]) & (attention_mask == 1)
     return {"input_ids": input_ids, "attention_mask": attention_mask,

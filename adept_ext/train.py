@@ -13,6 +13,7 @@ both take, evaluation, the training loop, checkpoints and atomic writes.
 """
 import json
 import math
+import os
 import platform
 import random
 import resource
@@ -86,6 +87,8 @@ class RunConfig(TrainOptions):
     boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
     diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
     diagnosis_queries: int = 8        # composite inputs used by the diagnosis
+    streaming: bool = False           # read the corpora as streams (in corpus order, no cache; large_corpus)
+    data_workers: int = 0             # processes tokenising a file/folder corpus (0 = the CPU count, at most 8)
 
 
 def options_from(cls, overrides: Dict, sequence: bool = False):
@@ -129,6 +132,8 @@ def config_from(overrides: Dict) -> RunConfig:
     cfg = options_from(RunConfig, overrides)
     if cfg.diagnosis_queries < 1:
         raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
+    if cfg.data_workers < 0:
+        raise RunError(f"data_workers must be >= 0 (0 = the CPU count), got {cfg.data_workers}")
     if cfg.boundary not in ("half", "auto") and not cfg.boundary.isdigit():
         raise RunError(f"boundary must be half, auto or a layer count, got {cfg.boundary!r}")
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
@@ -202,24 +207,49 @@ def evaluate(model, batches, device, desc="eval", progress=True) -> float:
 
 
 class Corpora:
-    """Token blocks of both corpora: general probe + held-out, domain train + held-out."""
+    """Token blocks of both corpora: general probe + held-out, domain train + held-out.
+
+    Default: each corpus is cut into blocks (`data.corpus_blocks`: file, folder and saved-dataset
+    corpora through Hugging Face datasets, memory-mapped) and split by a seeded shuffle, 10 % held
+    out; the training batches are read lazily. `streaming`: blocks in corpus order (no shuffle,
+    no cache): the first `eval_blocks` are held out, the probe blocks follow, the domain's
+    training batches are everything after the held-out blocks, read as the run consumes them."""
 
     def __init__(self, cfg, tokenizer):
-        general = data.token_blocks(data.load_texts(cfg.general), tokenizer, cfg.block_len)
-        domain = data.token_blocks(data.load_texts(cfg.domain), tokenizer, cfg.block_len)
-        for name, blocks in (("general", general), ("domain", domain)):
-            if blocks["input_ids"].shape[0] < 2:
-                raise RunError(f"the {name} corpus is shorter than two blocks of {cfg.block_len} tokens")
-        g_train, g_held = data.split_blocks(general, 0.1, cfg.seed)
-        d_train, d_held = data.split_blocks(domain, 0.1, cfg.seed)
-        limit = data.first_blocks
         self.tokenizer = tokenizer
-        self.general_probe = data.batches(limit(g_train, cfg.probe_blocks), cfg.batch_size)
-        self.general_context = data.batches(limit(g_train, cfg.diagnosis_queries), cfg.batch_size)  # diagnosis
-        self.general_eval = data.batches(limit(g_held, cfg.eval_blocks), cfg.batch_size)
-        self.domain_eval = data.batches(limit(d_held, cfg.eval_blocks), cfg.batch_size)
-        self.domain_train = data.batches(d_train, cfg.batch_size)
-        self.domain_probe = data.batches(limit(d_train, cfg.probe_blocks), cfg.batch_size)  # placements
+        with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
+            self._streamed(cfg, tokenizer) if cfg.streaming else self._packed(cfg, tokenizer)
+
+    def _packed(self, cfg, tokenizer):
+        workers = cfg.data_workers or min(8, os.cpu_count() or 1)
+        general, domain = (data.corpus_blocks(source, tokenizer, cfg.block_len, workers)
+                           for source in (cfg.general, cfg.domain))
+        for name, blocks in (("general", general), ("domain", domain)):
+            if len(blocks) < 2:
+                raise RunError(f"the {name} corpus is shorter than two blocks of {cfg.block_len} tokens")
+        g_train, g_held = data.split_indices(len(general), 0.1, cfg.seed)
+        d_train, d_held = data.split_indices(len(domain), 0.1, cfg.seed)
+        b = cfg.batch_size
+        self.general_probe = general.batches(g_train[:cfg.probe_blocks], b)
+        self.general_context = general.batches(g_train[:cfg.diagnosis_queries], b)  # diagnosis
+        self.general_eval = general.batches(g_held[:cfg.eval_blocks], b)
+        self.domain_eval = domain.batches(d_held[:cfg.eval_blocks], b)
+        self.domain_train = data.LazyBatches(domain, d_train, b)
+        self.domain_probe = domain.batches(d_train[:cfg.probe_blocks], b)  # placements
+
+    def _streamed(self, cfg, tokenizer):
+        from .large_corpus import BlockStream, StreamBatches
+
+        general, domain = (BlockStream(source, tokenizer, cfg.block_len) for source in (cfg.general, cfg.domain))
+        e, b = cfg.eval_blocks, cfg.batch_size
+        g = general.take(e + max(cfg.probe_blocks, cfg.diagnosis_queries))
+        d = domain.take(e + cfg.probe_blocks)
+        self.general_eval = general.batches(g[:e], b)
+        self.general_probe = general.batches(g[e:e + cfg.probe_blocks], b)
+        self.general_context = general.batches(g[e:e + cfg.diagnosis_queries], b)
+        self.domain_eval = domain.batches(d[:e], b)
+        self.domain_probe = domain.batches(d[e:], b)
+        self.domain_train = StreamBatches(domain, e, b)
 
 
 def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:

@@ -1,5 +1,11 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Hugging Face datasets (file corpora) caches under a throw-away directory, not the user's cache.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="adept-ext-test-datasets-"))
 
 import adept_ext
 

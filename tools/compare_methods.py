@@ -9,6 +9,7 @@ trainable fraction and wall time per method. About 35-45 minutes on 2 CPU cores.
 import argparse
 import json
 from pathlib import Path
+from typing import Dict
 
 from adept_ext.train import METHODS, RunConfig, config_from, run
 
@@ -32,24 +33,31 @@ def main():
     rows = []
     for method in args.methods.split(","):
         out = Path(f"{args.out}/{method}-lr{args.lr}-s{args.seed}-k{args.k}-n{args.steps}{suffix}")
-        if args.collect:
-            if not (out / "report.json").exists():
-                continue
-            report = json.loads((out / "report.json").read_text())
-        else:
-            options = dict(method=method, steps=args.steps, lr=args.lr, seed=args.seed, k=args.k,
-                           warmup_steps=max(1, args.steps // 10), eval_every=0, save_every=0, out=str(out), overwrite=True)
-            defaults = RunConfig()
-            options.update({key: type(getattr(defaults, key))(value) for key, value in args.extra.items()})
-            report = run(config_from(options), progress=False)
-        rows.append({"method": method, "general_delta": report["forgetting_general_delta"],
-                     "domain_delta": -report["gain_domain_delta"], "trainable_fraction": report["trainable_fraction"],
-                     "wall_seconds": report["wall_seconds"], "layers": report["layers"],
-                     "base": report["base"], "final": report["final"],
-                     "mean_lr_multiplier": report.get("unit_rates", {}).get("mean_multiplier")})
+        if args.collect and not (out / "report.json").exists():
+            continue
+        rows.append(run_one(method, args.steps, args.lr, args.seed, args.k, args.extra, out, collect=args.collect))
         print(json.dumps(rows[-1]))
         write_results(args, rows)
     print(f"wrote {Path(args.results).with_suffix('.md')} and {Path(args.results).with_suffix('.json')}")
+
+
+def run_one(method: str, steps: int, lr: float, seed: int, k: int, extra: Dict[str, str], out: Path,
+            collect: bool = False) -> Dict:
+    """One `adept-ext run` of `method` into `out` (or its finished report.json when `collect`),
+    as a result row: general Δloss (forgetting), domain Δloss (gain), trainable fraction, layers."""
+    if collect:
+        report = json.loads((out / "report.json").read_text())
+    else:
+        options = dict(method=method, steps=steps, lr=lr, seed=seed, k=k, warmup_steps=max(1, steps // 10),
+                       eval_every=0, save_every=0, out=str(out), overwrite=True)
+        defaults = RunConfig()
+        options.update({key: type(getattr(defaults, key))(value) for key, value in extra.items()})
+        report = run(config_from(options), progress=False)
+    return {"method": method, "general_delta": report["forgetting_general_delta"],
+            "domain_delta": -report["gain_domain_delta"], "trainable_fraction": report["trainable_fraction"],
+            "wall_seconds": report["wall_seconds"], "layers": report["layers"],
+            "base": report["base"], "final": report["final"],
+            "mean_lr_multiplier": report.get("unit_rates", {}).get("mean_multiplier")}
 
 
 def write_results(args, rows):

@@ -1,0 +1,235 @@
+"""User corpora of any size through Hugging Face `datasets`: nothing holds the whole corpus in memory.
+
+A source is a text or Markdown file (one document), a JSONL file (a "text" field per line), a
+folder of those (recursively, sorted by path), a directory written by `Dataset.save_to_disk`
+(a "text" column) or, for streaming, a built-in corpus name. Two ways to read it:
+
+- `packed_blocks` (default): the documents become an Arrow dataset on disk (`from_generator`, or
+  the saved one), are tokenised by `map(batched=True, num_proc=workers)` — cached by `datasets`
+  under its cache directory, keyed by the corpus files (path, size, mtime) and the tokenizer —
+  and are packed once into one int32 token stream file beside that cache (documents joined by
+  EOS), memory-mapped. `data.PackedBlocks` cuts it into blocks on access, so the runner's
+  shuffled split and batches read only the blocks they use. The blocks equal `data.token_blocks`
+  on the same documents: the same run gives the same numbers whether a corpus is small or large.
+- `BlockStream` (`--streaming`): an `IterableDataset` tokenised on the fly, packed into blocks
+  in corpus order; no cache at all, and only the part of the corpus a run consumes is read.
+
+Under torchrun every rank reads the same blocks in the same order and keeps its own batches
+(the trainer's batch i goes to rank i mod W), so the data are sharded by rank without a
+sharding scheme of their own; rank 0 builds the caches first (`parallel.rank_zero_first`).
+"""
+import json
+import os
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import data
+from .data import PackedBlocks
+
+FILE_SUFFIXES = (*data.TEXT_SUFFIXES, ".jsonl")
+WRITE_BATCH = 1000  # documents per tokenizer call and per Arrow record batch
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A directory written by `datasets.Dataset.save_to_disk`."""
+    return path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def corpus_files(source: str) -> List[Path]:
+    """The files of a file or folder source, sorted; FileNotFoundError / ValueError otherwise."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file())
+        if not files:
+            raise ValueError(f"corpus {source!r}: no {', '.join(FILE_SUFFIXES)} file in the folder")
+        return files
+    raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {data.BUILTIN_CORPORA}")
+
+
+def _documents(files: Sequence[str], stamps: Sequence[str]) -> Iterator[Dict[str, str]]:
+    """{"text": document} for every non-blank document of `files` in order (`stamps` only key the cache)."""
+    for path in files:
+        for text in data._read_path(Path(path)):
+            if text.strip():
+                yield {"text": text}
+
+
+def _builtin_documents(name: str) -> Iterator[Dict[str, str]]:
+    for text in data.load_texts(name):
+        yield {"text": text}
+
+
+def _generator_kwargs(source: str) -> Dict:
+    files = corpus_files(source)
+    return {"files": [str(p.resolve()) for p in files],
+            "stamps": [f"{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]}
+
+
+def load_documents(source: str, streaming: bool = False):
+    """The corpus as a `datasets.Dataset` (on disk) or `IterableDataset` (streaming) of "text"."""
+    import datasets
+
+    path = Path(source)
+    if is_saved_dataset(path):
+        dataset = datasets.load_from_disk(str(path))
+        if "text" not in dataset.column_names:
+            raise ValueError(f"corpus {source!r}: the saved dataset has no 'text' column "
+                             f"(columns: {', '.join(dataset.column_names)})")
+        dataset = dataset.select_columns(["text"]).filter(lambda row: bool(row["text"].strip()))
+        return dataset.to_iterable_dataset() if streaming else dataset
+    kind = datasets.IterableDataset if streaming else datasets.Dataset
+    features = datasets.Features({"text": datasets.Value("string")})
+    if source in data.BUILTIN_CORPORA:
+        return kind.from_generator(_builtin_documents, features=features, gen_kwargs={"name": source})
+    kwargs = _generator_kwargs(source)
+    if next(_documents(**kwargs), None) is None:  # datasets cannot build an empty dataset from a generator
+        raise ValueError(f"corpus {source!r} holds no text")
+    try:
+        return kind.from_generator(_documents, features=features, gen_kwargs=kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:  # a bad document: say which, not where datasets was
+        raise e.__cause__ if isinstance(e.__cause__, (ValueError, OSError)) else e
+
+
+class _Tokenize:
+    """The batched `map` function: {"text": [...]} -> {"input_ids": [...]} without special tokens."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch):
+        return {"input_ids": self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]}
+
+
+def tokenize(dataset, tokenizer, workers: int = 1):
+    """`dataset` with one int32 "input_ids" list per document, by `map` (cached on disk when
+    `dataset` is; `workers` processes when it has at least that many batches of documents)."""
+    import datasets
+
+    if isinstance(dataset, datasets.IterableDataset):
+        return dataset.map(_Tokenize(tokenizer), batched=True, batch_size=WRITE_BATCH, remove_columns=["text"])
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+    workers = max(1, min(workers, len(dataset) // WRITE_BATCH))
+    return dataset.map(_Tokenize(tokenizer), batched=True, batch_size=WRITE_BATCH, remove_columns=["text"],
+                       features=features, num_proc=workers if workers > 1 else None, desc="tokenising")
+
+
+def _write_stream(tokens, eos: Optional[int], path: Path):
+    """Concatenate every document's ids (+ EOS) of the tokenised Arrow dataset into `path` (int32),
+    one record batch at a time, atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as out:
+        for batch in tokens.data.to_batches(max_chunksize=WRITE_BATCH):
+            column = batch.column("input_ids")
+            offsets = column.offsets.to_numpy()
+            values = column.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int32, copy=False)
+            if eos is None:
+                values.tofile(out)
+                continue
+            lengths = np.diff(offsets)
+            packed = np.full(len(values) + len(lengths), eos, dtype=np.int32)
+            keep = np.ones(len(packed), dtype=bool)
+            keep[np.cumsum(lengths + 1) - 1] = False  # each document's EOS slot
+            packed[keep] = values
+            packed.tofile(out)
+    os.replace(tmp, path)
+
+
+def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1) -> PackedBlocks:
+    """The corpus `source` as blocks of a memory-mapped token stream (see the module docstring)."""
+    tokens = tokenize(load_documents(source), tokenizer, workers)
+    if not tokens.cache_files:
+        raise ValueError(f"corpus {source!r}: the tokenised dataset has no cache file to pack beside")
+    eos = tokenizer.eos_token_id
+    path = Path(tokens.cache_files[0]["filename"]).parent / f"adept-ext-stream-{tokens._fingerprint}-eos{eos}.int32"
+    if not path.exists():
+        _write_stream(tokens, eos, path)
+    stream = np.memmap(path, dtype=np.int32, mode="r") if path.stat().st_size else np.zeros(0, np.int32)
+    blocks = PackedBlocks(stream, block_len, data.pad_id(tokenizer))
+    if not len(blocks):
+        raise ValueError(f"corpus {source!r} holds no text with a token to score")
+    return blocks
+
+
+class BlockStream:
+    """Blocks of `block_len` tokens packed on the fly from a streamed corpus, in corpus order:
+    `take(n)` the first n blocks (held-out, probe), then `batches(skip, B)` the rest as a
+    sequence of batches read lazily (see `StreamBatches`)."""
+
+    def __init__(self, source: str, tokenizer, block_len: int):
+        if block_len < 2:
+            raise ValueError(f"block_len must be >= 2, got {block_len}")
+        self.source, self.tokenizer, self.block_len = source, tokenizer, block_len
+        self.pad = data.pad_id(tokenizer)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """Blocks (int32 arrays of at most block_len tokens; only the last may be shorter, never < 2)."""
+        eos = self.tokenizer.eos_token_id
+        buffer = np.zeros(0, dtype=np.int32)
+        for row in tokenize(load_documents(self.source, streaming=True), self.tokenizer):
+            buffer = np.concatenate([buffer, np.asarray(row["input_ids"], dtype=np.int32)]
+                                    + ([np.asarray([eos], dtype=np.int32)] if eos is not None else []))
+            whole = len(buffer) // self.block_len * self.block_len
+            yield from buffer[:whole].reshape(-1, self.block_len)
+            buffer = buffer[whole:]
+        if len(buffer) >= 2:
+            yield buffer
+
+    def take(self, n: int) -> List[np.ndarray]:
+        """The first n blocks; ValueError when the corpus has fewer."""
+        blocks = [block for _, block in zip(range(n), self)]
+        if len(blocks) < n:
+            raise ValueError(f"corpus {self.source!r}: {len(blocks)} blocks of {self.block_len} tokens, "
+                             f"fewer than the {n} a run reads first")
+        return blocks
+
+    def batches(self, blocks: Sequence[np.ndarray], batch_size: int) -> List[Dict[str, torch.Tensor]]:
+        """`blocks` (from `take`) as consecutive batches."""
+        return [data.block_rows(blocks[i:i + batch_size], self.pad, self.block_len)
+                for i in range(0, len(blocks), batch_size)]
+
+
+class StreamBatches(Sequence):
+    """Training batches of a `BlockStream` after its first `skip` blocks: batch i is read when asked
+    for, moving forward through the stream (asking for an earlier batch restarts it; so does a
+    resumed run, which skips ahead). The length is unknown until the stream ends, so `len` is
+    effectively infinite and, once the end has been seen, batch i is batch i mod the true count
+    (the corpus is cycled like an in-memory one)."""
+
+    UNKNOWN = 2 ** 62
+
+    def __init__(self, stream: BlockStream, skip: int, batch_size: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.stream, self.skip, self.batch_size = stream, skip, batch_size
+        self.count = None  # batches in the stream, once its end was reached
+        self._restart()
+
+    def _restart(self):
+        self._blocks = iter(self.stream)
+        for _ in range(self.skip):
+            next(self._blocks, None)
+        self._next = 0
+
+    def __len__(self) -> int:
+        return self.UNKNOWN if self.count is None else self.count
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        if self.count is not None:
+            i %= self.count
+        if i < self._next:
+            self._restart()
+        while True:
+            batch = [b for _, b in zip(range(self.batch_size), self._blocks)]
+            if not batch:
+                if self._next == 0:
+                    raise ValueError(f"corpus {self.stream.source!r}: no training block after the first {self.skip}")
+                self.count = self._next
+                return self[i % self.count]
+            self._next += 1
+            if self._next - 1 == i:
+                return data.block_rows(batch, self.stream.pad, self.stream.block_len)

@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""The forgetting–gain frontier: every method (and ADEPT with each Stage 1 placement) over
+learning rates and seeds on the embedded default, one `adept-ext run` per point. Writes
+docs/results/frontier.md/.json and frontier.png (general Δloss = forgetting on x, domain Δloss
+= gain on y, one marker per method, a line joining a method's learning rates per seed).
+
+    python tools/frontier.py [--lrs 3e-4,1e-3] [--seeds 0,1] [--steps 100]
+                             [--methods adept,adept:placement=spread,llama_pro,...]
+                             [--shard 0/2] [--collect]
+
+Points already in docs/results/compare*.json with identical settings are reused, not rerun
+(the runner is deterministic on the CPU); finished points in --out are reused too, so an
+interrupted frontier resumes. `--shard I/N` runs every N-th point (parallel lanes);
+`--collect` runs nothing and tabulates what exists. About 4 minutes per point on 2 CPU cores.
+"""
+import argparse
+import glob
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from compare_methods import run_one
+
+PLACEMENT_VARIANTS = [f"adept:placement={p}" for p in ("uniform", "domain_aware", "plasticity", "depth", "spread")]
+DEFAULT_METHODS = ["adept"] + PLACEMENT_VARIANTS + ["llama_pro", "lora", "full"]
+# docs/results/compare*.json were run while RunConfig.probe_blocks defaulted to 8 (before the
+# 4-block default of the 4-minute demo), so a budget without the key means 8 blocks.
+OPTIONS_OF_OLD_COMPARISONS = {"probe_blocks": "8"}
+BASELINES = ("llama_pro", "lora")  # what a placement must dominate to become the default
+
+
+def parse_method(text: str) -> Dict:
+    """"adept:placement=spread,lr_floor=0" -> {"label", "method", "options"}."""
+    method, _, rest = text.partition(":")
+    options = dict(item.split("=", 1) for item in rest.split(",") if item)
+    label = method + "".join(f" {v}" if k == "placement" else f" {k}={v}" for k, v in options.items())
+    return {"label": label, "method": method, "options": options}
+
+
+def reusable(paths: List[str], steps: int, k: int, extra: Dict[str, str]) -> Dict:
+    """{(method, lr, seed): row} of plain-method rows in earlier comparison JSONs whose budget
+    equals this frontier's (steps, k and every other option)."""
+    found = {}
+    standard = {"steps", "batch", "tokens", "lr", "seed", "k", "model", "general", "domain"}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        budget = data["budget"]
+        options = {**OPTIONS_OF_OLD_COMPARISONS, **{key: str(v) for key, v in budget.items() if key not in standard}}
+        if budget["steps"] != steps or budget["k"] != k or options != extra:
+            continue
+        for row in data["methods"]:
+            found[(row["method"], float(budget["lr"]), int(budget["seed"]))] = {**row, "source": path}
+    return found
+
+
+def point_dir(args, variant: Dict, lr: float, seed: int) -> Path:
+    slug = variant["method"] + "".join(f"-{k}{v}" for k, v in variant["options"].items())
+    return Path(args.out) / f"{slug}-lr{lr}-s{seed}-k{args.k}-n{args.steps}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--lrs", default="3e-4,1e-3")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--methods", default=";".join(DEFAULT_METHODS),
+                        help="';'-separated METHOD[:OPTION=VALUE,...] (default: adept with every placement, "
+                             "llama_pro, lora, full)")
+    parser.add_argument("--set", action="append", default=[f"{k}={v}" for k, v in OPTIONS_OF_OLD_COMPARISONS.items()],
+                        metavar="OPTION=VALUE", help="a run option for every point (default: probe_blocks=8)")
+    parser.add_argument("--reuse", default="docs/results/compare*.json", help="glob of earlier comparison JSONs")
+    parser.add_argument("--out", default="runs/frontier", help="run directories (one per point)")
+    parser.add_argument("--results", default="docs/results/frontier", help="path prefix of .md, .json and .png")
+    parser.add_argument("--shard", default="0/1", help="I/N: run only every N-th point to run, from the I-th (parallel lanes)")
+    parser.add_argument("--collect", action="store_true", help="run nothing: tabulate the points that exist")
+    args = parser.parse_args()
+    extra = dict(item.split("=", 1) for item in args.set)
+    lrs = [float(x) for x in args.lrs.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    variants = [parse_method(m) for m in args.methods.split(";") if m]
+    old = reusable(sorted(glob.glob(args.reuse)), args.steps, args.k, extra)
+    shard, shards = map(int, args.shard.split("/"))
+    points, to_run = [], 0
+    for lr in lrs:
+        for seed in seeds:
+            for variant in variants:
+                if variant["options"] or (variant["method"], lr, seed) not in old:
+                    to_run += 1  # lanes split the points not in earlier JSONs by this fixed count
+                    if not args.collect and (to_run - 1) % shards != shard:
+                        continue
+                row = find_point(args, variant, lr, seed, extra, old)
+                if row is None and not args.collect:
+                    row = run_one(variant["method"], args.steps, lr, seed, args.k, {**extra, **variant["options"]},
+                                  point_dir(args, variant, lr, seed))
+                    row["source"] = str(point_dir(args, variant, lr, seed))
+                    print(json.dumps({"label": variant["label"], "lr": lr, "seed": seed,
+                                      "general_delta": row["general_delta"], "domain_delta": row["domain_delta"]}))
+                if row is not None:
+                    points.append({"label": variant["label"], "lr": lr, "seed": seed, **row})
+    if not args.collect and shards > 1:
+        print(f"shard {shard}/{shards} done; tabulate all lanes with --collect")
+        return
+    write_results(args, extra, lrs, seeds, variants, points)
+
+
+def find_point(args, variant: Dict, lr: float, seed: int, extra: Dict, old: Dict) -> Optional[Dict]:
+    """A finished point: in --out, or (a plain method) in an earlier comparison JSON."""
+    out = point_dir(args, variant, lr, seed)
+    if (out / "report.json").exists():
+        return {**run_one(variant["method"], args.steps, lr, seed, args.k, extra, out, collect=True), "source": str(out)}
+    if not variant["options"]:
+        return old.get((variant["method"], lr, seed))
+    return None
+
+
+def dominance(points: List[Dict], lrs, seeds) -> List[Dict]:
+    """For every ADEPT variant and learning rate: on which seeds it dominates each baseline at
+    that learning rate (gain ≥ the baseline's and forgetting ≤ the baseline's)."""
+    at = {(p["label"], p["lr"], p["seed"]): p for p in points}
+    verdicts = []
+    for label in dict.fromkeys(p["label"] for p in points if p["method"].startswith("adept")):
+        for lr in lrs:
+            row = {"label": label, "lr": lr}
+            for base in BASELINES:
+                wins = [s for s in seeds if (label, lr, s) in at and (base, lr, s) in at
+                        and at[(label, lr, s)]["domain_delta"] <= at[(base, lr, s)]["domain_delta"]
+                        and at[(label, lr, s)]["general_delta"] <= at[(base, lr, s)]["general_delta"]]
+                measured = [s for s in seeds if (label, lr, s) in at and (base, lr, s) in at]
+                row[base] = {"dominates_on_seeds": wins, "measured_seeds": measured}
+            row["dominates_all"] = all(row[b]["measured_seeds"] == seeds and row[b]["dominates_on_seeds"] == seeds
+                                       for b in BASELINES)
+            verdicts.append(row)
+    return verdicts
+
+
+def write_results(args, extra, lrs, seeds, variants, points):
+    path = Path(args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    budget = {"steps": args.steps, "batch": "4 x 128 tokens", "tokens": args.steps * 4 * 128, "lrs": lrs, "seeds": seeds,
+              "k": args.k, **extra, "model": "smollm2-135m", "general": "bbc-news", "domain": "python-docs"}
+    verdicts = dominance(points, lrs, seeds)
+    path.with_suffix(".json").write_text(json.dumps({"budget": budget, "points": points, "dominance": verdicts}, indent=2))
+    plot(points, variants, path.with_suffix(".png"))
+    at = {(p["label"], p["lr"], p["seed"]): p for p in points}
+    lines = ["# Forgetting–gain frontier on the embedded default", "",
+             f"SmolLM2-135M, general = BBC News (held out), domain = Python docs (held out); {args.steps} AdamW steps "
+             f"of 4 x 128 tokens, warmup + cosine, k = {args.k}"
+             + "".join(f", {key} = {value}" for key, value in extra.items())
+             + f"; learning rates {', '.join(map(str, lrs))}; seeds {', '.join(map(str, seeds))}.",
+             "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is "
+             "better). Each cell: seed values separated by /.", "",
+             f"![frontier]({path.with_suffix('.png').name})", "",
+             "| method | lr | general Δloss | domain Δloss | layers |", "|---|---|---|---|---|"]
+    for variant in variants:
+        for lr in lrs:
+            cells = [at.get((variant["label"], lr, s)) for s in seeds]
+            if not any(cells):
+                continue
+            fmt = lambda key: " / ".join("—" if c is None else f"{c[key]:+.4f}" for c in cells)
+            layers = " / ".join("—" if c is None else str(c["layers"]) for c in cells)
+            lines.append(f"| {variant['label']} | {lr:g} | {fmt('general_delta')} | {fmt('domain_delta')} | {layers} |")
+    lines += ["", f"Dominance at a matched learning rate (gain ≥ and forgetting ≤ the baseline's), seeds on which it holds:", "",
+              "| ADEPT variant | lr | " + " | ".join(f"vs {b}" for b in BASELINES) + " |",
+              "|---|---|" + "---|" * len(BASELINES)]
+    for v in verdicts:
+        lines.append(f"| {v['label']} | {v['lr']:g} | " + " | ".join(
+            f"{v[b]['dominates_on_seeds'] or 'none'} of {v[b]['measured_seeds']}" for b in BASELINES) + " |")
+    sources = sorted({p["source"] for p in points if p["source"].endswith(".json")})
+    if sources:
+        lines += ["", "Plain-method points reused from " + ", ".join(Path(s).name for s in sources) + " (same settings)."]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {path.with_suffix('.md')}, .json and .png ({len(points)} points)")
+
+
+def plot(points, variants, png: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    markers = "osD^v<>PXh*"
+    fig, ax = plt.subplots(figsize=(8, 6))
+    for i, variant in enumerate(variants):
+        mine = [p for p in points if p["label"] == variant["label"]]
+        colour = f"C{i % 10}"
+        for j, seed in enumerate(sorted({p["seed"] for p in mine})):
+            run = sorted((p for p in mine if p["seed"] == seed), key=lambda p: p["lr"])
+            ax.plot([p["general_delta"] for p in run], [p["domain_delta"] for p in run], color=colour,
+                    marker=markers[i % len(markers)], linestyle="-" if j == 0 else "--",
+                    label=variant["label"] if j == 0 else None)
+            for p in run:
+                ax.annotate(f"{p['lr']:g}", (p["general_delta"], p["domain_delta"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points", color=colour)
+    ax.axvline(0, color="grey", linewidth=0.5)
+    ax.set_xlabel("general Δloss (forgetting; left is better)")
+    ax.set_ylabel("domain Δloss (gain; down is better)")
+    ax.set_title("Forgetting vs gain (solid: seed 0, dashed: seed 1; labels: lr)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
