@@ -7,6 +7,7 @@ a local checkpoint directory or the embedded default `smollm2-135m`, offline.
 """
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -123,7 +124,12 @@ def _embedded_checkpoint(name: str) -> Path:
         if bars:
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion leaves no half checkpoint
+    try:
+        os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion leaves no half checkpoint
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)  # a concurrent process converted it first: its copy is the same
     return target
 
 

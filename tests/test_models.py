@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,3 +65,24 @@ def test_errors(tmp_path):
     GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         load_model(tmp_path)
+
+
+def test_a_concurrent_conversion_of_the_embedded_model_is_not_an_error(tmp_path, monkeypatch):
+    """Two processes converting the embedded model at once (a fresh machine, parallel jobs): the
+    one that renames second finds the other's complete copy and uses it (it used to raise
+    'Directory not empty')."""
+    import os
+
+    from adept_ext import models
+
+    monkeypatch.setenv("ADEPT_EXT_CACHE", str(tmp_path))
+    replace = os.replace
+
+    def other_process_wins(src, dst):
+        Path(dst).mkdir()
+        (Path(dst) / "config.json").write_text("{}")  # the other process's finished copy
+        replace(src, dst)
+
+    monkeypatch.setattr(models.os, "replace", other_process_wins)
+    assert models._embedded_checkpoint("smollm2-135m") == tmp_path / "smollm2-135m"
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m"]  # no temporary copy left behind
