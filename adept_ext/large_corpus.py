@@ -59,6 +59,10 @@ def _documents(files: Sequence[str], stamps: Sequence[str]) -> Iterator[Dict[str
                 yield {"text": text}
 
 
+def _has_text(row) -> bool:
+    return bool(row["text"].strip())
+
+
 def _builtin_documents(name: str) -> Iterator[Dict[str, str]]:
     for text in data.load_texts(name):
         yield {"text": text}
@@ -75,13 +79,16 @@ def load_documents(source: str, streaming: bool = False):
     import datasets
 
     path = Path(source)
+    if (path / "dataset_dict.json").is_file():
+        raise ValueError(f"corpus {source!r} is a saved DatasetDict: pass one split's directory "
+                         f"(e.g. {path / 'train'})")
     if is_saved_dataset(path):
         dataset = datasets.load_from_disk(str(path))
         if "text" not in dataset.column_names:
             raise ValueError(f"corpus {source!r}: the saved dataset has no 'text' column "
                              f"(columns: {', '.join(dataset.column_names)})")
-        dataset = dataset.select_columns(["text"]).filter(lambda row: bool(row["text"].strip()))
-        return dataset.to_iterable_dataset() if streaming else dataset
+        dataset = dataset.select_columns(["text"])
+        return (dataset.to_iterable_dataset() if streaming else dataset).filter(_has_text)
     kind = datasets.IterableDataset if streaming else datasets.Dataset
     features = datasets.Features({"text": datasets.Value("string")})
     if source in data.BUILTIN_CORPORA:

@@ -68,6 +68,13 @@ def test_saved_dataset_equals_its_texts_and_needs_a_text_column(tokenizer, tmp_p
     datasets.Dataset.from_dict({"body": texts}).save_to_disk(tmp_path / "no-text")
     with pytest.raises(ValueError, match="no 'text' column.*body"):
         data.corpus_blocks(str(tmp_path / "no-text"), tokenizer, 50)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(tmp_path / "dict")
+    with pytest.raises(ValueError, match="saved DatasetDict: pass one split's directory"):
+        data.corpus_blocks(str(tmp_path / "dict"), tokenizer, 50)
+    _equal(data.corpus_blocks(str(tmp_path / "dict" / "train"), tokenizer, 50).rows(range(3)),
+           data.first_blocks(data.token_blocks(texts, tokenizer, 50), 3))
+    stream = large_corpus.BlockStream(str(tmp_path / "saved"), tokenizer, 50)
+    _equal(stream.batches(stream.take(4), 4)[0], blocks.rows(range(4)))  # streamed: same blocks, blank one skipped
 
 
 def test_rows_in_any_order_and_a_last_block_too_short_to_score(tokenizer):
