@@ -30,7 +30,7 @@ from . import data
 from .data import PackedBlocks
 
 FILE_SUFFIXES = (*data.TEXT_SUFFIXES, ".jsonl")
-WRITE_BATCH = 1000  # documents per tokenizer call and per Arrow record batch
+WRITE_BATCH = 8000  # documents per tokenizer call and per Arrow record batch
 
 
 def is_saved_dataset(path: Path) -> bool:
