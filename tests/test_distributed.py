@@ -452,7 +452,8 @@ def _continual_options(ws, **extra):
 def _assert_continual_like_one_process(tmp_path, out, single):
     """Both ranks report the same scores and general losses as `single` (1e-4 relative), rank 0
     wrote what one process writes, and the model loads with plain transformers with the weights
-    one process saved."""
+    one process saved (to 1e-4 absolute: a tenth of one AdamW step at lr 1e-3, which rounding
+    can flip for a weight whose gradient is almost 0)."""
     from transformers import AutoModelForCausalLM
 
     r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
@@ -464,12 +465,12 @@ def _assert_continual_like_one_process(tmp_path, out, single):
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "model").state_dict()
     assert sorted(saved.state_dict()) == sorted(want)
     for name, value in saved.state_dict().items():
-        torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-4)
     listing = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*"))  # noqa: E731
     assert listing(out) == listing(tmp_path / "single")
 
 
-@pytest.mark.parametrize("method", ["seq_lora", "adept_seq"])
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "per_task", "seq_full"])
 def test_continual_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method):
     """Each task prepared on the whole model (adapters, expansion), trained sharded by FSDP2 on 2
     gloo ranks, unsharded before merging and scoring: the same scores as one process with the
