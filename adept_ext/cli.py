@@ -115,7 +115,7 @@ HELP = {
     "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
     "device": "auto, cpu or cuda",
     "parallel": "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and "
-                "optimizer state sharded per decoder layer; run only, not lora)",
+                "optimizer state sharded per decoder layer while training; not o_lora, deal, eoupct)",
     "resume": "continue the run in --out from its last checkpoint",
     "overwrite": "replace an existing run in --out",
 }

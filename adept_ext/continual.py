@@ -30,7 +30,8 @@ from .report import plot_matrix, plot_series
 from .tasks import answer_scores, general_texts, load_tasks
 from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
 from .train import (TrainOptions, _check_memory, _device, _peak_memory_mb, _rng_state, _set_rng_state, _use_bf16,
-                    evaluate, load_training_state, optimizer_for, options_from, train_steps, training_state)
+                    evaluate, load_training_state, optimizer_for, options_from, remove_stale_shards,
+                    save_sharded_state, shard, train_steps, training_state)
 
 RESUME_MODEL = ".resume-model"  # the model after the last finished task, while the sequence runs
 
@@ -80,10 +81,7 @@ class ContinualConfig(TrainOptions):
 
 def config_from(overrides: Dict) -> ContinualConfig:
     """A checked ContinualConfig (RunError on bad input)."""
-    cfg = options_from(ContinualConfig, overrides, sequence=True)
-    if cfg.parallel == "fsdp2":  # every task changes the model (expansion, adapters) before it trains
-        raise RunError("--parallel fsdp2 is available for adept-ext run; use --parallel ddp for continual")
-    return cfg
+    return options_from(ContinualConfig, overrides, sequence=True)
 
 
 def metrics(matrix: List[List[float]]) -> Dict[str, Optional[float]]:
@@ -124,7 +122,10 @@ class Evaluator:
 
 def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
     """Learn `cfg.tasks` in order with `cfg.method`; returns the report (also written to `cfg.out`).
-    Under torchrun the ranks train with DistributedDataParallel and rank 0 writes (see `parallel`)."""
+    Under torchrun the ranks train with DistributedDataParallel (or FSDP2 under `parallel="fsdp2"`)
+    and rank 0 writes (see `parallel`). Under FSDP2 each task is prepared on the whole model,
+    sharded for its training only, and unsharded again (`parallel.unshard_model`) before
+    `end_task`, evaluation and saving."""
     device = _device(cfg)
     return parallel.run_on_ranks(device, lambda progress_, log_: _run(cfg, device, progress_, log_), progress, log)
 
@@ -160,7 +161,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     per_task = checkpoint["per_task"] if checkpoint else []
     history = checkpoint["history"] if checkpoint else []
     first = checkpoint["completed"] if checkpoint else 0
-    inside = checkpoint is not None and "trainable" in checkpoint  # killed inside task `first`
+    inside = checkpoint is not None and "step" in checkpoint  # killed inside task `first`
     if checkpoint:  # inside a task: the state the task started with (prepare may need it)
         method.load_state_dict(checkpoint["task_start" if inside else "method"])
     if checkpoint and not inside:
@@ -179,24 +180,30 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             task_dir.mkdir(exist_ok=True)
             method.write_artifacts(task_dir)
         n_trainable = sum(p.numel() for p in setup.trainable)
-        _check_memory(cfg, model, bf16, n_trainable)
+        _check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
         log(f"task {t + 1}/{len(tasks)} {task.name}: {setup.summary}; trainable {n_trainable / 1e6:.2f}M")
-        trained = parallel.wrap(model, device)
+        if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
+            setup = shard(model, setup, bf16)
+            trained = model
+        else:
+            trained = parallel.wrap(model, device)
         optimizer, scheduler = optimizer_for(method, setup, cfg)
         task_history = {"train": []}
         step = 0
         if inside and t == first:
-            load_training_state(checkpoint, model, method, optimizer, scheduler)
+            load_training_state(checkpoint, model, method, optimizer, scheduler, out)
             task_history, step = checkpoint["task_history"], checkpoint["step"]
             log(f"resumed task {task.name} at step {step}")
 
         def save_inside(done):
+            shards = save_sharded_state(out, done, model, optimizer)  # FSDP2: a collective
             if not main:
                 return
             state = {"completed": t, "step": done, "layers": setup.layers, "rows": rows, "per_task": per_task,
-                     "history": history, "task_history": task_history, "task_start": task_start,
+                     "history": history, "task_history": task_history, "task_start": task_start, **shards,
                      **training_state(model, method, optimizer, scheduler)}
             atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+            remove_stale_shards(out, shards.get("shards", ""))
 
         def after_step(done):
             nonlocal step
@@ -210,10 +217,15 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             train_steps(trained, method, setup, optimizer, scheduler, batches, cfg, device, bf16, task_history, step,
                         f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})", progress, after_step)
         except KeyboardInterrupt:
-            save_inside(step)
-            log(f"interrupted in task {task.name} at step {step}: checkpoint saved in {out}; continue with --resume")
+            if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
+                log(f"interrupted in task {task.name} at step {step}: continue from the last checkpoint in {out} "
+                    "with --resume")
+            else:
+                save_inside(step)
+                log(f"interrupted in task {task.name} at step {step}: checkpoint saved in {out}; continue with --resume")
             raise
         extras = {}
+        parallel.unshard_model(model)  # FSDP2: the whole weights on every rank again (a collective)
         model = method.end_task(model, task_dir, extras)
         for p in model.parameters():
             p.requires_grad_(False)
@@ -229,6 +241,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
                      "method": method.state_dict(), "rng": _rng_state()}
             atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+            remove_stale_shards(out)
 
     report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started)
     if main:
@@ -236,6 +249,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         write_report(report, out)
         (out / CHECKPOINT).unlink(missing_ok=True)
         shutil.rmtree(out / RESUME_MODEL, ignore_errors=True)
+        remove_stale_shards(out)
     m = report["metrics"]
     log(f"AA {m['AA']:.4f}, BWT {_fmt(m['BWT'])}, FWT {_fmt(m['FWT'])}, general forgetting "
         f"{report['general_forgetting']:+.4f}; report: {out / 'report.md'}")

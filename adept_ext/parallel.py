@@ -13,6 +13,8 @@ Two engines (`ENGINES`): `ddp` (DistributedDataParallel: every rank holds the wh
 optimizer state) and `fsdp2` (`torch.distributed.fsdp.fully_shard` per decoder layer, then the
 root: parameters, gradients and AdamW state are sharded, for models whose optimizer state does not
 fit one device). Checkpoints of sharded runs go through `torch.distributed.checkpoint` (DCP).
+The runners shard a model only to train it: before `end_task` (merging, evaluation, saving, the
+next task's expansion) `unshard_model` makes it whole and plain again on every rank.
 """
 import os
 import shutil
@@ -118,14 +120,46 @@ def is_sharded(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def full_state_dict(model):
-    """A sharded model's whole state dict as plain CPU tensors on rank 0 (an empty dict on the
-    others): a collective every rank calls. None for an unsharded model (it saves its own)."""
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def unshard_model(model):
+    """Undo `fully_shard_model` in place (a collective every rank calls; nothing for an unsharded
+    model): every parameter becomes a whole plain parameter again on every rank (tied ones stay
+    tied) and the hooks, state and classes `fully_shard` added are removed, so the model is the
+    plain module it was (to merge, expand, evaluate and save, or to shard again). FSDP2 has no
+    public inverse of `fully_shard`: this takes back what torch 2.x's implementation adds."""
+    import importlib
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    contract = importlib.import_module("torch.distributed._composable.contract")
+    whole = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if isinstance(p, DTensor) and id(p) not in whole:
+                whole[id(p)] = torch.nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in whole:
+                module._parameters[name] = whole[id(p)]
+        for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            module.__dict__.pop(attr, None)
+        if not isinstance(module, FSDPModule):
+            continue
+        state = fully_shard.state(module)
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param._post_load_hook_handle.remove()
+            for handle in (*group._module_to_pre_save_state_dict_hook_handle.values(),
+                           *group._module_to_pre_load_state_dict_hook_handle.values()):
+                handle.remove()
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+        for key in (contract.STATE_KEY, contract.REGISTRY_KEY):
+            module.__dict__.pop(key, None)
+        _module_state_mapping.pop(module, None)
+        module.__class__ = type(module).__mro__[type(module)._orig_cls_mro_index]
+    return model
 
 
 def save_sharded(path: Path, model, optimizer):

@@ -507,11 +507,10 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     stage("final_eval", t0, **final)
 
     t0 = time.time()
+    parallel.unshard_model(model)  # FSDP2: the whole weights on every rank (a collective), for end_task
     final_model = method.end_task(model, out if main else None, report)
-    weights = parallel.full_state_dict(final_model)  # a collective under FSDP2: every rank takes part
     if main:
-        atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp, state_dict=weights),
-                                               tokenizer.save_pretrained(tmp)))
+        atomic_dir(out / "model", lambda tmp: (final_model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
         plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
     stage("save", t0)
 

@@ -243,7 +243,7 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
     assert (tmp_path / "ddp" / "report.json").exists() and (tmp_path / "ddp" / "model").is_dir()
 
 
-@pytest.mark.parametrize("method,tied", [("full", True), ("adept", False), ("llama_pro", False)])
+@pytest.mark.parametrize("method,tied", [("full", True), ("adept", False), ("llama_pro", False), ("lora", False)])
 def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, tied):
     """FSDP2 (fully_shard per decoder layer, 2 gloo ranks) trains what one process trains with the
     same global batch: the losses agree to 1e-4 relative (float rounding of sharded reductions),
@@ -370,19 +370,158 @@ def test_probe_and_units_on_an_fsdp2_model_with_unequal_batch_counts_finish_and_
     torch.testing.assert_close(torch.tensor(r0["units"]), torch.tensor(units), rtol=1e-4, atol=1e-9)
 
 
+def _hook_count(model):
+    return sum(len(getattr(m, kind)) for m in model.modules() for kind in (
+        "_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks"))
+
+
+def _unshard_worker(rank, world, init_file, result_file):
+    import copy
+
+    from adept_ext import parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = tiny_model("llama", layers=2, tie=True)
+        hooks, classes = _hook_count(model), [type(m) for m in model.modules()]
+        batches = padded_batches(n_batches=4)
+        for _ in range(2):  # shard, train, unshard; then the same modules once more
+            parallel.fully_shard_model(model, model.model.layers, bf16=False)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(2):
+                optimizer.zero_grad()
+                model(**batches[2 * step + rank]).loss.backward()
+                optimizer.step()
+            parallel.unshard_model(model)
+            assert not parallel.is_sharded(model) and [type(m) for m in model.modules()] == classes
+            assert _hook_count(model) == hooks and model.lm_head.weight is model.model.embed_tokens.weight
+            copy.deepcopy(model)  # FSDP2 modules refuse deepcopy (the expansion uses it)
+        torch.save(model.state_dict(), f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unshard_model_gives_back_the_plain_model_with_the_trained_weights(tmp_path):
+    """`parallel.unshard_model` undoes `fully_shard_model` in place: plain classes, no FSDP hooks,
+    tied weights still tied, shardable again, and on every rank the weights one process trains
+    with the same global batch (it uses FSDP2 internals: this fails first if torch changes them)."""
+    _spawn_with_timeout(_unshard_worker, (2, str(tmp_path / "init"), str(tmp_path / "out")))
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    model, batches = tiny_model("llama", layers=2, tie=True), padded_batches(n_batches=4)
+    for _ in range(2):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            optimizer.zero_grad()
+            for rank in (0, 1):
+                (model(**batches[2 * step + rank]).loss / 2).backward()
+            optimizer.step()
+    for name, value in model.state_dict().items():
+        assert torch.equal(r0[name], r1[name])
+        torch.testing.assert_close(r0[name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_fsdp2_refuses_what_it_cannot_shard_before_any_work(monkeypatch):
-    """One error line, before anything is loaded: fsdp2 without torchrun's processes, a method
-    whose hooks need whole weights, the continual runner, an unknown engine."""
+    """One error line, before anything is loaded: fsdp2 without torchrun's processes, a sequence
+    method whose training hooks need whole weights (o_lora, deal) or no data parallelism (eoupct),
+    an unknown engine; the other sequence methods pass."""
     from adept_ext import continual, train
     from adept_ext.rundir import RunError
 
     with pytest.raises(RunError, match="torchrun --nproc-per-node"):
         train.config_from({"parallel": "fsdp2"})
+    with pytest.raises(RunError, match="torchrun --nproc-per-node"):
+        continual.config_from({"parallel": "fsdp2"})
     with pytest.raises(RunError, match="parallel must be one of ddp, fsdp2"):
         train.config_from({"parallel": "zero3"})
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RunError, match="method lora cannot .* FSDP2 .*--parallel ddp"):
-        train.config_from({"parallel": "fsdp2", "method": "lora"})
-    with pytest.raises(RunError, match="--parallel ddp for continual"):
-        continual.config_from({"parallel": "fsdp2", "method": "seq_full"})
+    for method in ("o_lora", "deal", "eoupct"):
+        with pytest.raises(RunError, match=f"method {method} cannot .* FSDP2 .*--parallel ddp"):
+            continual.config_from({"parallel": "fsdp2", "method": method})
+    for method in ("seq_full", "seq_lora", "adept_seq", "llama_pro_seq", "replay"):
+        assert continual.config_from({"parallel": "fsdp2", "method": method}).parallel == "fsdp2"
     assert train.config_from({"parallel": "fsdp2", "method": "adept"}).parallel == "fsdp2"
+
+
+def _continual_options(ws, **extra):
+    return {**dict(model=str(ws / "tiny"), tasks=f"{ws / 'domain.jsonl'},{ws / 'general'}", general=str(ws / "general"),
+                   k=1, block_len=32, batch_size=2, steps=2, warmup_steps=1, probe_blocks=2, eval_blocks=3,
+                   save_every=0, recompute_every=2, lr=1e-3, lora_rank=2), **extra}
+
+
+def _assert_continual_like_one_process(tmp_path, out, single):
+    """Both ranks report the same scores and general losses as `single` (1e-4 relative), rank 0
+    wrote what one process writes, and the model loads with plain transformers with the weights
+    one process saved (to 1e-4 absolute: a tenth of one AdamW step at lr 1e-3, which rounding
+    can flip for a weight whose gradient is almost 0)."""
+    from transformers import AutoModelForCausalLM
+
+    r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
+    assert r0 == r1
+    flat = [v for row in single["matrix"] for v in row]
+    assert [v for row in r0["matrix"] for v in row] == pytest.approx(flat, rel=1e-4, abs=1e-6)
+    assert r0["general"] == pytest.approx(single["general_loss"], rel=1e-4)
+    saved = AutoModelForCausalLM.from_pretrained(out / "model")
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "model").state_dict()
+    assert sorted(saved.state_dict()) == sorted(want)
+    for name, value in saved.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-4)
+    listing = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*"))  # noqa: E731
+    assert listing(out) == listing(tmp_path / "single")
+
+
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "per_task", "seq_full"])
+def test_continual_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method):
+    """Each task prepared on the whole model (adapters, expansion), trained sharded by FSDP2 on 2
+    gloo ranks, unsharded before merging and scoring: the same scores as one process with the
+    same global batch, and one plain Hugging Face checkpoint."""
+    from adept_ext.continual import config_from, run
+
+    options = _continual_options(run_workspace, method=method)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
+                 log=lambda *a: None)
+    sharded = {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}
+    _spawn_with_timeout(_run_worker, (2, _free_port(), sharded, str(tmp_path / "r"), "continual"))
+    _assert_continual_like_one_process(tmp_path, tmp_path / "fsdp", single)
+
+
+def _killed_continual_worker(rank, world, port, options, result_file):
+    """`_run_worker` (continual) killed by a KeyboardInterrupt on every rank after step 3 of task 2."""
+    import adept_ext.continual as continual_module
+
+    real, calls = continual_module.train_steps, []
+
+    def interrupted(*args):
+        calls.append(1)
+        *head, after_step = args
+
+        def after(done):
+            after_step(done)
+            if len(calls) == 2 and done == 3:
+                raise KeyboardInterrupt
+        return real(*head, after)
+
+    continual_module.train_steps = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        _run_worker(rank, world, port, options, result_file, "continual")
+
+
+def test_sharded_continual_resume_inside_a_task_equals_the_uninterrupted_run(run_workspace, tmp_path):
+    """An FSDP2 sequence killed at step 3 of task 2 resumes from its DCP checkpoint of step 2
+    (the model after task 1 in .resume-model, the task's shards per rank) and ends where one
+    uninterrupted process ends; the finished run keeps no checkpoint, shards or resume model."""
+    from adept_ext.continual import RESUME_MODEL, config_from, run
+
+    options = _continual_options(run_workspace, method="adept_seq", steps=4, save_every=2)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
+                 log=lambda *a: None)
+    sharded = {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}
+    _spawn_with_timeout(_killed_continual_worker, (2, _free_port(), sharded, str(tmp_path / "r")))
+    checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
+    assert (checkpoint["completed"], checkpoint["step"]) == (1, 2)
+    assert "optimizer" not in checkpoint and "trainable" not in checkpoint
+    assert sorted(p.name for p in (tmp_path / "fsdp" / checkpoint["shards"]).iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert (tmp_path / "fsdp" / RESUME_MODEL).is_dir()
+    _spawn_with_timeout(_run_worker, (2, _free_port(), {**sharded, "resume": True}, str(tmp_path / "r"), "continual"))
+    _assert_continual_like_one_process(tmp_path, tmp_path / "fsdp", single)

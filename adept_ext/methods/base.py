@@ -113,7 +113,7 @@ class Method:
     takes_layers = False   # accepts k / --layers
     single_domain = True   # usable by `adept-ext run`
     sequence = False       # usable by `adept-ext continual`
-    shardable = True       # trains a model sharded by FSDP2 (--parallel fsdp2)
+    shardable = True       # trains a model sharded by FSDP2 (--parallel fsdp2); the runners unshard it before end_task
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -112,6 +112,7 @@ class Factor(nn.Module):
 class Deal(SeqLora):
     name = "deal"
     description = "DEAL: the previous LoRA filtered (wavelet kernels) and updated (MLP), merged after each task"
+    shardable = False  # parametrized adapter factors and penalties on whole tensors
 
     def __init__(self, cfg):
         super().__init__(cfg)

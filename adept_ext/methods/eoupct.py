@@ -68,6 +68,7 @@ class EoupCT(Method):
     description = "EoupCT: soft-prompt knowledge proxy, virtual step, null-space projection and conflict correction"
     single_domain = False
     sequence = True
+    shardable = False  # no data parallelism at all (see `check`)
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -28,7 +28,6 @@ def lora_adapters(model):
 class Lora(Method):
     name = "lora"
     description = "LoRA on every projection (PEFT), merged into the weights at the end"
-    shardable = False  # merging the adapters needs the whole weights
 
     def __init__(self, cfg):
         super().__init__(cfg)

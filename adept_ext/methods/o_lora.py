@@ -17,6 +17,7 @@ from .lora import SeqLora, lora_adapters
 class OLora(SeqLora):
     name = "o_lora"
     description = "O-LoRA: a LoRA per task, orthogonal to the earlier tasks' LoRA subspaces"
+    shardable = False  # the penalty reads the adapters' whole A outside the forward pass
 
     def __init__(self, cfg):
         super().__init__(cfg)

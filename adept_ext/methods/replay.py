@@ -27,6 +27,7 @@ class Replay(Method):
         if cfg.replay_base not in BASES:
             raise MethodError(f"replay_base must be one of {', '.join(BASES)}, got {cfg.replay_base!r}")
         self.base = create(f"seq_{cfg.replay_base}", cfg, sequence=True)
+        self.shardable = self.base.shardable
 
     def prepare(self, model, ctx, layers=None):
         setup = self.base.prepare(model, ctx, layers)
