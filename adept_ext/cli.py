@@ -11,7 +11,7 @@
 Options come from flags and from a TOML file (--config FILE, flat `option = value` pairs using
 the flag names with underscores); flags override the file. `adept-ext COMMAND --help` lists a
 command's own options. `--resume` continues the run in --out with the options it was started
-with (only --steps, --save-every, --eval-every and --device may change).
+with (only --steps, --save-every, --eval-every, --device and --data-workers may change).
 """
 import argparse
 import difflib
@@ -36,7 +36,7 @@ OPTIONS = {  # the options each command shows and takes; run/train/continual tak
 }
 CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
                                                    ("run", "train", "probe", "expand", "eval", "diagnose")}}
-SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "resume", "overwrite"}
+SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "resume", "overwrite"}
 ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
            "block_size": "block_len", "seq_len": "block_len", "max_length": "block_len",
            "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",

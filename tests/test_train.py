@@ -57,9 +57,13 @@ def test_adept_keeps_original_weights_frozen(workspace):
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-@pytest.mark.parametrize("method", ["adept", "adept_uniform_lr", "full"])
-def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, method):
-    full = run(options(workspace, f"uninterrupted-{method}", steps=6, eval_every=3, method=method), progress=False, log=lambda *a: None)
+@pytest.mark.parametrize("method,streaming", [("adept", False), ("adept_uniform_lr", False), ("full", False),
+                                              ("full", True)])
+def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, method, streaming):
+    """Also with --streaming: the resumed run reads the stream from the start up to its step."""
+    run_name = method + ("-streaming" if streaming else "")
+    full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming),
+               progress=False, log=lambda *a: None)
     import adept_ext.train as train_module
 
     real_evaluate = train_module.evaluate
@@ -73,10 +77,12 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
 
     monkeypatch.setattr(train_module, "evaluate", interrupting)
     with pytest.raises(KeyboardInterrupt):
-        run(options(workspace, f"killed-{method}", steps=6, eval_every=3, method=method), progress=False, log=lambda *a: None)
-    assert (workspace / f"killed-{method}" / "checkpoint.pt").exists()
+        run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming),
+            progress=False, log=lambda *a: None)
+    assert (workspace / f"killed-{run_name}" / "checkpoint.pt").exists()
     monkeypatch.setattr(train_module, "evaluate", real_evaluate)
-    resumed = run(options(workspace, f"killed-{method}", steps=6, eval_every=3, method=method, resume=True), progress=False, log=lambda *a: None)
+    resumed = run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming,
+                          resume=True), progress=False, log=lambda *a: None)
     assert resumed["final"]["domain_loss"] == pytest.approx(full["final"]["domain_loss"], rel=1e-5)
     assert resumed["final"]["general_loss"] == pytest.approx(full["final"]["general_loss"], rel=1e-5)
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx([h["loss"] for h in full["history"]["train"]], rel=1e-5)
