@@ -12,7 +12,7 @@ import json
 import random
 import sysconfig
 from pathlib import Path
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,25 +27,24 @@ def _read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def _read_jsonl(path: Path) -> List[str]:
-    texts = []
-    for n, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{path}:{n}: expected a JSON object with a string 'text' field")
-        texts.append(record["text"])
-    return texts
-
-
-def _read_path(path: Path) -> List[str]:
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    return [_read_text(path)]
+def iter_documents(path: Path) -> Iterator[str]:
+    """The documents of one corpus file: a JSONL file's "text" fields, read line by line (a file
+    larger than memory is never held whole), or a text/Markdown file as one document. Bytes that
+    are not UTF-8 (some corpus files are Latin-1) are replaced rather than fatal."""
+    if path.suffix != ".jsonl":
+        yield _read_text(path)
+        return
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"{path}:{n}: expected a JSON object with a string 'text' field")
+            yield record["text"]
 
 
 def bbc_news_labelled() -> List[Tuple[str, str]]:
@@ -95,9 +94,9 @@ def load_texts(source) -> List[str]:
         path = Path(source)
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.suffix in (*TEXT_SUFFIXES, ".jsonl") and p.is_file())
-            texts = [t for p in files for t in _read_path(p)]
+            texts = [t for p in files for t in iter_documents(p)]
         elif path.is_file():
-            texts = _read_path(path)
+            texts = list(iter_documents(path))
         else:
             raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {BUILTIN_CORPORA}")
     texts = [t for t in texts if t.strip()]

@@ -18,7 +18,6 @@ Under torchrun every rank reads the same blocks in the same order and keeps its 
 (the trainer's batch i goes to rank i mod W), so the data are sharded by rank without a
 sharding scheme of their own; rank 0 builds the caches first (`parallel.rank_zero_first`).
 """
-import json
 import os
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -54,7 +53,7 @@ def corpus_files(source: str) -> List[Path]:
 def _documents(files: Sequence[str], stamps: Sequence[str]) -> Iterator[Dict[str, str]]:
     """{"text": document} for every non-blank document of `files` in order (`stamps` only key the cache)."""
     for path in files:
-        for text in data._read_path(Path(path)):
+        for text in data.iter_documents(Path(path)):
             if text.strip():
                 yield {"text": text}
 
