@@ -68,7 +68,7 @@ def in_depth(general: Sequence[float], k: int, boundary: int) -> List[int]:
     """depth: the k smallest I_g among layers [boundary, L); the whole depth when fewer remain."""
     deep = list(range(boundary, len(general)))
     if len(deep) < k:
-        raise ValueError(f"depth placement: {len(deep)} layers below the boundary {boundary}, fewer than k = {k}")
+        raise ValueError(f"depth placement: {len(deep)} layers at or past the boundary {boundary}, fewer than k = {k}")
     return _lowest(general, k, deep)
 
 

@@ -61,3 +61,16 @@ def test_writes_table_json_and_png(tmp_path):
     assert "| adept spread | 0.0003 | +0.0030 / +0.0030 | -0.4000 / -0.5000 |" in table
     assert json.loads((tmp_path / "frontier.json").read_text())["budget"]["seeds"] == [0, 1]
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
+
+
+def test_earlier_frontier_points_are_reused_only_under_the_same_budget(tmp_path):
+    args = SimpleNamespace(results=str(tmp_path / "frontier"), steps=100, k=4)
+    variants = [frontier.parse_method("adept:placement=spread")]
+    points = [_point("adept spread", 3e-4, 0, -0.01, -0.39)]
+    frontier.write_results(args, {"probe_blocks": "8"}, [3e-4], [0], variants, points)
+    path = tmp_path / "frontier.json"
+    grown = frontier.frontier_budget(args, {"probe_blocks": "8"}, [3e-4, 1e-3], [0, 1])  # more lrs and seeds: same runs
+    assert frontier.earlier_frontier(path, grown)[("adept spread", 3e-4, 0)]["domain_delta"] == -0.39
+    other = frontier.frontier_budget(SimpleNamespace(steps=50, k=4), {"probe_blocks": "8"}, [3e-4], [0])
+    assert frontier.earlier_frontier(path, other) == {}
+    assert frontier.earlier_frontier(tmp_path / "missing.json", grown) == {}

@@ -49,6 +49,30 @@ def test_output_gradient_energy_matches_autograd_and_leaves_the_model_alone():
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
+def _with_identity_layers(layers, seed):
+    """A tiny Llama whose `layers` compute the identity (o_proj and down_proj zeroed): their
+    bypass changes nothing, so their I_g is exactly 0."""
+    model = tiny_model("llama", layers=6, seed=seed)
+    with torch.no_grad():
+        for i in layers:
+            for proj in (model.model.layers[i].self_attn.o_proj, model.model.layers[i].mlp.down_proj):
+                proj.weight.zero_()
+    return model
+
+
+def test_probe_based_placements_find_planted_identity_layers_in_a_real_model():
+    model = _with_identity_layers((1, 4), seed=9)  # seed 9: every other layer's bypass raises the loss
+    general = padded_batches(n_batches=2, seed=1)
+    scores = placement.choose("importance", model, 2, general, progress=False)["general"].scores
+    assert scores[1] == pytest.approx(0, abs=1e-6) and scores[4] == pytest.approx(0, abs=1e-6)
+    assert min(s for i, s in enumerate(scores) if i not in (1, 4)) > 0.01
+    assert placement.choose("importance", model, 2, general, progress=False)["layers"] == [1, 4]
+    assert placement.choose("spread", model, 2, general, progress=False)["layers"] == [1, 4]  # one per half
+    # from layer 3 on: the planted 4, then 3 (the least important of 3 and 5)
+    assert placement.choose("depth", model, 2, general, boundary=3, progress=False)["layers"] == [3, 4]
+    assert placement.choose("depth", model, 1, general, boundary=2, progress=False)["layers"] == [4]
+
+
 @pytest.mark.parametrize("name", placement.PLACEMENTS)
 def test_every_placement_runs_and_its_expansion_preserves_the_function(name):
     model = tiny_model("qwen3", layers=6)

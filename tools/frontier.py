@@ -9,8 +9,9 @@ docs/results/frontier.md/.json and frontier.png (general Δloss = forgetting on 
                              [--shard 0/2] [--collect]
 
 Points already in docs/results/compare*.json with identical settings are reused, not rerun
-(the runner is deterministic on the CPU); finished points in --out are reused too, so an
-interrupted frontier resumes. `--shard I/N` runs every N-th point (parallel lanes);
+(the runner is deterministic on the CPU); finished points in --out, and the points of an earlier
+frontier JSON at --results with the same budget, are reused too, so an interrupted frontier
+resumes and `--collect` redraws the table and figure from the JSON alone. `--shard I/N` runs every N-th point (parallel lanes);
 `--collect` runs nothing and tabulates what exists. About 4 minutes per point on 2 CPU cores.
 """
 import argparse
@@ -53,6 +54,23 @@ def reusable(paths: List[str], steps: int, k: int, extra: Dict[str, str]) -> Dic
     return found
 
 
+def earlier_frontier(path: Path, budget: Dict) -> Dict:
+    """{(label, lr, seed): point} of the frontier JSON at `path` when it was run with `budget`
+    (every setting but the lists of learning rates and seeds, which may grow)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    same = {key: v for key, v in data["budget"].items() if key not in ("lrs", "seeds")}
+    if same != {key: v for key, v in budget.items() if key not in ("lrs", "seeds")}:
+        return {}
+    return {(p["label"], p["lr"], p["seed"]): p for p in data["points"]}
+
+
+def frontier_budget(args, extra: Dict, lrs, seeds) -> Dict:
+    return {"steps": args.steps, "batch": "4 x 128 tokens", "tokens": args.steps * 4 * 128, "lrs": lrs, "seeds": seeds,
+            "k": args.k, **extra, "model": "smollm2-135m", "general": "bbc-news", "domain": "python-docs"}
+
+
 def point_dir(args, variant: Dict, lr: float, seed: int) -> Path:
     slug = variant["method"] + "".join(f"-{k}{v}" for k, v in variant["options"].items())
     return Path(args.out) / f"{slug}-lr{lr}-s{seed}-k{args.k}-n{args.steps}"
@@ -80,6 +98,7 @@ def main():
     seeds = [int(x) for x in args.seeds.split(",")]
     variants = [parse_method(m) for m in args.methods.split(";") if m]
     old = reusable(sorted(glob.glob(args.reuse)), args.steps, args.k, extra)
+    earlier = earlier_frontier(Path(args.results).with_suffix(".json"), frontier_budget(args, extra, lrs, seeds))
     shard, shards = map(int, args.shard.split("/"))
     points, to_run = [], 0
     for lr in lrs:
@@ -90,6 +109,9 @@ def main():
                     if not args.collect and (to_run - 1) % shards != shard:
                         continue
                 row = find_point(args, variant, lr, seed, extra, old)
+                if row is None and (variant["label"], lr, seed) in earlier:
+                    row = {key: v for key, v in earlier[(variant["label"], lr, seed)].items()
+                           if key not in ("label", "lr", "seed")}
                 if row is None and not args.collect:
                     row = run_one(variant["method"], args.steps, lr, seed, args.k, {**extra, **variant["options"]},
                                   point_dir(args, variant, lr, seed))
@@ -137,8 +159,7 @@ def dominance(points: List[Dict], lrs, seeds) -> List[Dict]:
 def write_results(args, extra, lrs, seeds, variants, points):
     path = Path(args.results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    budget = {"steps": args.steps, "batch": "4 x 128 tokens", "tokens": args.steps * 4 * 128, "lrs": lrs, "seeds": seeds,
-              "k": args.k, **extra, "model": "smollm2-135m", "general": "bbc-news", "domain": "python-docs"}
+    budget = frontier_budget(args, extra, lrs, seeds)
     verdicts = dominance(points, lrs, seeds)
     path.with_suffix(".json").write_text(json.dumps({"budget": budget, "points": points, "dominance": verdicts}, indent=2))
     plot(points, variants, path.with_suffix(".png"))
@@ -173,30 +194,46 @@ def write_results(args, extra, lrs, seeds, variants, points):
     print(f"wrote {path.with_suffix('.md')}, .json and .png ({len(points)} points)")
 
 
-def plot(points, variants, png: Path):
+def plot(points, variants, png: Path, zoom_below: float = 0.15):
+    """Two panels: every point, and a zoom on the points that forget less than `zoom_below`
+    (the parameter-efficient methods, which the full-training outliers squeeze together)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     markers = "osD^v<>PXh*"
-    fig, ax = plt.subplots(figsize=(8, 6))
-    for i, variant in enumerate(variants):
-        mine = [p for p in points if p["label"] == variant["label"]]
-        colour = f"C{i % 10}"
-        for j, seed in enumerate(sorted({p["seed"] for p in mine})):
-            run = sorted((p for p in mine if p["seed"] == seed), key=lambda p: p["lr"])
-            ax.plot([p["general_delta"] for p in run], [p["domain_delta"] for p in run], color=colour,
-                    marker=markers[i % len(markers)], linestyle="-" if j == 0 else "--",
-                    label=variant["label"] if j == 0 else None)
-            for p in run:
-                ax.annotate(f"{p['lr']:g}", (p["general_delta"], p["domain_delta"]), fontsize=6,
-                            xytext=(3, 3), textcoords="offset points", color=colour)
-    ax.axvline(0, color="grey", linewidth=0.5)
-    ax.set_xlabel("general Δloss (forgetting; left is better)")
-    ax.set_ylabel("domain Δloss (gain; down is better)")
-    ax.set_title("Forgetting vs gain (solid: seed 0, dashed: seed 1; labels: lr)")
-    ax.legend(fontsize=7)
+    lrs = sorted({p["lr"] for p in points})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6))
+    for ax, zoomed in zip(axes, (False, True)):
+        for i, variant in enumerate(variants):
+            mine = [p for p in points if p["label"] == variant["label"]]
+            colour = f"C{i % 10}"
+            for j, seed in enumerate(sorted({p["seed"] for p in mine})):
+                run = sorted((p for p in mine if p["seed"] == seed), key=lambda p: p["lr"])
+                ax.plot([p["general_delta"] for p in run], [p["domain_delta"] for p in run], color=colour,
+                        linestyle="-" if j == 0 else "--", linewidth=1, label=variant["label"] if j == 0 else None)
+                for p in run:  # filled marker: the smallest learning rate; hollow: the larger ones
+                    ax.plot(p["general_delta"], p["domain_delta"], marker=markers[i % len(markers)], color=colour,
+                            markerfacecolor=colour if p["lr"] == lrs[0] else "white", markersize=7)
+        ax.axvline(0, color="grey", linewidth=0.5)
+        ax.set_xlabel("general Δloss (forgetting; left is better)")
+        ax.set_ylabel("domain Δloss (gain; down is better)")
+        ax.grid(alpha=0.3)
+        if zoomed:
+            near = [p for p in points if p["general_delta"] < zoom_below]
+            if near:
+                xs, ys = [p["general_delta"] for p in near], [p["domain_delta"] for p in near]
+                pad_x, pad_y = 0.05 * (max(xs) - min(xs) + 1e-3), 0.05 * (max(ys) - min(ys) + 1e-3)
+                ax.set_xlim(min(xs) - pad_x, max(xs) + pad_x)
+                ax.set_ylim(min(ys) - pad_y, max(ys) + pad_y)
+            ax.set_title(f"zoom: points with general Δloss < {zoom_below}")
+        else:
+            ax.set_title("every point")
+            ax.legend(fontsize=8)
+    lr_text = ", ".join(f"{lr:g}" for lr in lrs)
+    fig.suptitle(f"Forgetting vs gain. Solid line: seed 0, dashed: seed 1; filled marker: lr {lrs[0]:g}, "
+                 f"hollow: the larger lrs (lrs {lr_text})")
     fig.tight_layout()
-    fig.savefig(png, dpi=130)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
 
 
