@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import continual
 from .methods import method_names
-from .rundir import RunError, saved_options
+from .rundir import InputError, RunError, saved_options
 from .train import METHODS, RunConfig, config_from
 
 COMMON = ("model", "out", "block_len", "batch_size", "seed", "device", "overwrite")
@@ -199,21 +199,23 @@ def resolve_config(args):
 
 
 def _probe_or_expand(cfg, command, progress):
-    from .data import batches, load_texts, split_blocks, token_blocks
+    from .data import corpus_blocks, split_indices
     from .expand import expand_layers
     from .models import load_model
     from .probe import layer_importance
     from .rundir import check_out, prepare_out
-    from .train import _device
+    from .train import _device, data_workers
 
     check_out(cfg, command)
     try:
         model, tokenizer = load_model(cfg.model, device=_device(cfg))
-        train, _ = split_blocks(token_blocks(load_texts(cfg.general), tokenizer, cfg.block_len), 0.1, cfg.seed)
-    except (FileNotFoundError, ValueError) as e:
+        general = corpus_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg))
+        if len(general) < 2:
+            raise InputError(f"the general corpus is shorter than two blocks of {cfg.block_len} tokens")
+    except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     out = prepare_out(cfg, command)
-    probe = batches({k: v[:cfg.probe_blocks] for k, v in train.items()}, cfg.batch_size)
+    probe = general.batches(split_indices(len(general), 0.1, cfg.seed)[0][:cfg.probe_blocks], cfg.batch_size)
     scores = layer_importance(model, probe, progress=progress)
     chosen = scores.select(min(cfg.k, len(scores.scores)))
     scores.to_json(out / "layer_importance.json", selected=chosen)
@@ -238,7 +240,7 @@ def _load(cfg, command):
     try:
         model, tokenizer = load_model(cfg.model, device=_device(cfg))
         corpora = Corpora(cfg, tokenizer)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     return model, corpora, prepare_out(cfg, command)
 

@@ -27,11 +27,11 @@ from . import data, parallel
 from .methods import Context, create
 from .models import load_model
 from .report import plot_matrix, plot_series
-from .tasks import answer_scores, general_texts, load_tasks
-from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
+from .tasks import answer_scores, general_blocks, load_tasks, split
+from .rundir import CHECKPOINT, InputError, RunError, atomic_dir, atomic_write, check_out, prepare_out
 from .train import (TrainOptions, _check_memory, _device, _peak_memory_mb, _rng_state, _set_rng_state, _use_bf16,
-                    evaluate, load_training_state, optimizer_for, options_from, remove_stale_shards,
-                    save_sharded_state, shard, train_steps, training_state)
+                    data_workers, evaluate, load_training_state, optimizer_for, options_from, read_checkpoint,
+                    remove_stale_shards, save_sharded_state, shard, train_steps, training_state)
 
 RESUME_MODEL = ".resume-model"  # the model after the last finished task, while the sequence runs
 
@@ -106,7 +106,7 @@ class Evaluator:
         """Task i is scored on the model `method.scoring(model, i)` yields; the general corpus on `model`."""
         scores, details = [], []
         for i, task in enumerate(self.tasks):
-            held = data.first_blocks(task.held, self.cfg.eval_blocks)
+            held = task.held.first(self.cfg.eval_blocks).tensors()
             with self.method.scoring(model, i) as scored:
                 if task.kind == "instruction":
                     result = answer_scores(scored, held, self.cfg.batch_size, self.device, self.eos_id)
@@ -136,22 +136,22 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     bf16 = _use_bf16(cfg, device)
     out = check_out(cfg, "continual")
     method = create(cfg.method, cfg, sequence=True)
-    checkpoint = torch.load(out / CHECKPOINT, weights_only=False) if cfg.resume else None
+    checkpoint = read_checkpoint(out) if cfg.resume else None
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
         model, tokenizer = load_model(cfg.model, device=device)
         method.check(model)
-        tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed)
-        general = data.token_blocks(general_texts(cfg.general), tokenizer, cfg.block_len)
-        g_train, g_held = data.split_blocks(general, 0.1, cfg.seed)
-    except (FileNotFoundError, ValueError) as e:
+        with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
+            tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed, data_workers(cfg))
+            g_train, g_held = split(general_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg)), cfg.seed)
+    except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     _check_memory(cfg, model, bf16)
     out = prepare_out(cfg, "continual") if main else out
     parallel.barrier(device)
-    general_probe = data.batches(data.first_blocks(g_train, cfg.probe_blocks), cfg.batch_size)
-    evaluator = Evaluator(cfg, tasks, data.batches(data.first_blocks(g_held, cfg.eval_blocks), cfg.batch_size), device,
+    general_probe = list(g_train.first(cfg.probe_blocks).batches(cfg.batch_size))
+    evaluator = Evaluator(cfg, tasks, list(g_held.first(cfg.eval_blocks).batches(cfg.batch_size)), device,
                           tokenizer.eos_token_id, progress, method)
     blocks = [t.train for t in tasks]
 
@@ -172,7 +172,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     for t in range(first, len(tasks)):
         task, t0 = tasks[t], time.time()
         task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
-        domain_probe = data.batches(data.first_blocks(blocks[t], cfg.probe_blocks), cfg.batch_size)
+        domain_probe = list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size))
         ctx = Context(general_probe, domain_probe, progress, torch.bfloat16 if bf16 else None, task_index=t, log=log)
         task_start = method.state_dict()
         setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
@@ -211,7 +211,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
                 save_inside(done)
 
-        batches = data.batches(method.train_blocks(blocks, t), cfg.batch_size)
+        batches = method.train_blocks(blocks, t).batches(cfg.batch_size)
         model.train()
         try:
             train_steps(trained, method, setup, optimizer, scheduler, batches, cfg, device, bf16, task_history, step,
@@ -239,7 +239,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         if t + 1 < len(tasks) and main:
             atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
             state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
-                     "method": method.state_dict(), "rng": _rng_state()}
+                     "method": method.state_dict(), "rng": _rng_state(), "world_size": parallel.world_size()}
             atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
             remove_stale_shards(out)
 
@@ -264,8 +264,8 @@ def _fmt(value: Optional[float]) -> str:
 def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds) -> Dict:
     matrix = [r["scores"] for r in rows]
     return {"config": asdict(cfg), "method": cfg.method,
-            "tasks": [{"name": t.name, "kind": t.kind, "metric": t.metric, "train_blocks": int(t.train["input_ids"].shape[0]),
-                       "held_out": min(int(t.held["input_ids"].shape[0]), cfg.eval_blocks)} for t in tasks],
+            "tasks": [{"name": t.name, "kind": t.kind, "metric": t.metric, "train_blocks": len(t.train),
+                       "held_out": min(len(t.held), cfg.eval_blocks)} for t in tasks],
             "matrix": matrix, "rows": rows, "metrics": metrics(matrix),
             "general_loss": [r["general_loss"] for r in rows],
             "general_forgetting": rows[-1]["general_loss"] - rows[0]["general_loss"],

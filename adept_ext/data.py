@@ -17,6 +17,8 @@ from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 import numpy as np
 import torch
 
+from .rundir import InputError
+
 BUILTIN_CORPORA = ("bbc-news", "python-docs", "python-source")
 PYTHON_SOURCE_BYTES = 1_000_000
 TEXT_SUFFIXES = (".txt", ".md")
@@ -41,9 +43,9 @@ def iter_documents(path: Path) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+                raise InputError(f"{path}:{n}: not JSON ({e.msg})") from e
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{n}: expected a JSON object with a string 'text' field")
+                raise InputError(f"{path}:{n}: expected a JSON object with a string 'text' field")
             yield record["text"]
 
 
@@ -101,7 +103,7 @@ def load_texts(source) -> List[str]:
             raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {BUILTIN_CORPORA}")
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise ValueError(f"corpus {source!r} holds no text")
+        raise InputError(f"corpus {source!r} holds no text")
     return texts
 
 
@@ -128,7 +130,7 @@ def pad_id(tokenizer) -> int:
     """The tokenizer's pad token, else its EOS token; ValueError when it has neither."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
-        raise ValueError("the tokenizer has neither a pad nor an EOS token")
+        raise InputError("the tokenizer has neither a pad nor an EOS token")
     return pad
 
 
@@ -147,7 +149,7 @@ class PackedBlocks:
 
     def __init__(self, stream: np.ndarray, block_len: int, pad: int):
         if block_len < 2:
-            raise ValueError(f"block_len must be >= 2, got {block_len}")
+            raise InputError(f"block_len must be >= 2, got {block_len}")
         self.stream, self.block_len, self.pad = stream, block_len, pad
         n = -(-len(stream) // block_len)
         self.num_blocks = n - 1 if n and len(stream) - (n - 1) * block_len < 2 else n
@@ -176,7 +178,7 @@ class LazyBatches(Sequence):
 
     def __init__(self, blocks: PackedBlocks, indices: Sequence[int], batch_size: int):
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise InputError(f"batch_size must be >= 1, got {batch_size}")
         self.blocks, self.indices, self.batch_size = blocks, indices, batch_size
 
     def __len__(self) -> int:
@@ -189,6 +191,72 @@ class LazyBatches(Sequence):
         return self.blocks.rows(self.indices[i * self.batch_size:(i + 1) * self.batch_size])
 
 
+class TensorBlocks:
+    """Blocks held as tensors ({input_ids, attention_mask, labels} [n, block_len]: instruction
+    examples, the general half of BBC News) behind the `rows` interface of PackedBlocks."""
+
+    def __init__(self, blocks: Dict[str, torch.Tensor]):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return int(self.blocks["input_ids"].shape[0])
+
+    def rows(self, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
+        index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        return {k: v[index] for k, v in self.blocks.items()}
+
+
+class ConcatBlocks:
+    """The blocks of `parts` (each with `len` and `rows`, all of one block length) one after
+    another: replay's mixture of a task's blocks and its buffer, read on access."""
+
+    def __init__(self, parts: Sequence):
+        self.parts = list(parts)
+        self.starts = np.cumsum([0] + [len(part) for part in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def rows(self, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
+        indices = np.asarray(indices, dtype=np.int64)
+        owner = np.searchsorted(self.starts, indices, side="right") - 1
+        pieces = [(np.nonzero(owner == j)[0], self.parts[j].rows(indices[owner == j] - self.starts[j]))
+                  for j in np.unique(owner)] or [(indices, self.parts[0].rows(indices))]
+        out = {k: v.new_empty((len(indices), *v.shape[1:])) for k, v in pieces[0][1].items()}
+        for where, got in pieces:
+            for k, v in got.items():
+                out[k][torch.from_numpy(where)] = v
+        return out
+
+
+class BlockSet:
+    """Blocks `indices` (in that order) of `source` — PackedBlocks, TensorBlocks, ConcatBlocks or
+    another BlockSet — read when they are asked for: a task's split of a memory-mapped corpus is
+    never read whole."""
+
+    def __init__(self, source, indices: Sequence[int] = None):
+        self.source = source
+        self.indices = np.arange(len(source)) if indices is None else np.asarray(indices, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def rows(self, positions: Sequence[int]) -> Dict[str, torch.Tensor]:
+        return self.source.rows(self.indices[np.asarray(positions, dtype=np.int64)])
+
+    def first(self, n: int) -> "BlockSet":
+        """The first `n` blocks (all of them when there are fewer)."""
+        return BlockSet(self.source, self.indices[:n])
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Every block as tensors (for small sets: evaluation, probes)."""
+        return self.rows(np.arange(len(self)))
+
+    def batches(self, batch_size: int) -> "LazyBatches":
+        """Consecutive batches of `batch_size` blocks, each read when it is asked for."""
+        return LazyBatches(self, np.arange(len(self)), batch_size)
+
+
 def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bool = True) -> Dict[str, torch.Tensor]:
     """Tokenise and cut into blocks of `block_len` tokens.
 
@@ -199,18 +267,18 @@ def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bo
     block has a token to score.
     """
     if block_len < 2:
-        raise ValueError(f"block_len must be >= 2, got {block_len}")
+        raise InputError(f"block_len must be >= 2, got {block_len}")
     pad = pad_id(tokenizer)
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     if pack:
         blocks = PackedBlocks(pack_stream(ids, tokenizer.eos_token_id), block_len, pad)
         if not len(blocks):
-            raise ValueError("the texts yield no block with a token to score (empty or too short)")
+            raise InputError("the texts yield no block with a token to score (empty or too short)")
         return blocks.rows(range(len(blocks)))
     pieces = [doc[i:i + block_len] for doc in ids for i in range(0, len(doc), block_len)]
     pieces = [p for p in pieces if len(p) >= 2]  # a block needs one target to score
     if not pieces:
-        raise ValueError("the texts yield no block with a token to score (empty or too short)")
+        raise InputError("the texts yield no block with a token to score (empty or too short)")
     return block_rows(pieces, pad, block_len)
 
 
@@ -230,9 +298,9 @@ def split_indices(n: int, heldout_fraction: float = 0.1, seed: int = 0) -> Tuple
     """Deterministic shuffle of range(n) (by `seed`), then (train, held-out) block indices with at
     least one in each."""
     if n < 2:
-        raise ValueError(f"need at least 2 blocks to hold some out, got {n}")
+        raise InputError(f"need at least 2 blocks to hold some out, got {n}")
     if not 0 < heldout_fraction < 1:
-        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+        raise InputError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     order = list(range(n))
     random.Random(seed).shuffle(order)
     k = min(n - 1, max(1, round(n * heldout_fraction)))
@@ -255,7 +323,7 @@ def first_blocks(blocks: Dict[str, torch.Tensor], n: int) -> Dict[str, torch.Ten
 def batches(blocks: Dict[str, torch.Tensor], batch_size: int, limit: int = None) -> List[Dict[str, torch.Tensor]]:
     """Consecutive batches of `batch_size` blocks (the last may be smaller); at most `limit` batches."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
     n = blocks["input_ids"].shape[0]
     out = [{k: v[i:i + batch_size] for k, v in blocks.items()} for i in range(0, n, batch_size)]
     return out[:limit] if limit is not None else out
@@ -271,7 +339,7 @@ def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: in
     marks s_1), score_mask (bool, the query's last token) and answer_ids (first token of
     " <category>"), drawn deterministically from `seed`."""
     if n_queries < 1 or shots < 1 or words < 1 or batch_size < 1:
-        raise ValueError("n_queries, shots, words and batch_size must be >= 1")
+        raise InputError("n_queries, shots, words and batch_size must be >= 1")
     articles = bbc_news_labelled()
     rng = random.Random(seed)
     by_topic: Dict[str, List[int]] = {}
@@ -318,5 +386,5 @@ def context_query_task(batches_: Sequence[Dict[str, torch.Tensor]], context_len:
         out.append({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
                     "context_mask": context, "score_mask": has_next & ~context})
     if not any(b["score_mask"].any() for b in out):
-        raise ValueError(f"no block is longer than the context ({context_len} tokens): nothing to score")
+        raise InputError(f"no block is longer than the context ({context_len} tokens): nothing to score")
     return out

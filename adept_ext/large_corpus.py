@@ -27,6 +27,7 @@ import torch
 
 from . import data
 from .data import PackedBlocks
+from .rundir import InputError
 
 FILE_SUFFIXES = (*data.TEXT_SUFFIXES, ".jsonl")
 WRITE_BATCH = 8000  # documents per tokenizer call and per Arrow record batch
@@ -45,7 +46,7 @@ def corpus_files(source: str) -> List[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file())
         if not files:
-            raise ValueError(f"corpus {source!r}: no {', '.join(FILE_SUFFIXES)} file in the folder")
+            raise InputError(f"corpus {source!r}: no {', '.join(FILE_SUFFIXES)} file in the folder")
         return files
     raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {data.BUILTIN_CORPORA}")
 
@@ -79,12 +80,12 @@ def load_documents(source: str, streaming: bool = False):
 
     path = Path(source)
     if (path / "dataset_dict.json").is_file():
-        raise ValueError(f"corpus {source!r} is a saved DatasetDict: pass one split's directory "
+        raise InputError(f"corpus {source!r} is a saved DatasetDict: pass one split's directory "
                          f"(e.g. {path / 'train'})")
     if is_saved_dataset(path):
         dataset = datasets.load_from_disk(str(path))
         if "text" not in dataset.column_names:
-            raise ValueError(f"corpus {source!r}: the saved dataset has no 'text' column "
+            raise InputError(f"corpus {source!r}: the saved dataset has no 'text' column "
                              f"(columns: {', '.join(dataset.column_names)})")
         dataset = dataset.select_columns(["text"])
         return (dataset.to_iterable_dataset() if streaming else dataset).filter(_has_text)
@@ -94,7 +95,7 @@ def load_documents(source: str, streaming: bool = False):
         return kind.from_generator(_builtin_documents, features=features, gen_kwargs={"name": source})
     kwargs = _generator_kwargs(source)
     if next(_documents(**kwargs), None) is None:  # datasets cannot build an empty dataset from a generator
-        raise ValueError(f"corpus {source!r} holds no text")
+        raise InputError(f"corpus {source!r} holds no text")
     try:
         return kind.from_generator(_documents, features=features, gen_kwargs=kwargs)
     except datasets.exceptions.DatasetGenerationError as e:  # a bad document: say which, not where datasets was
@@ -149,7 +150,7 @@ def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1) -> P
     """The corpus `source` as blocks of a memory-mapped token stream (see the module docstring)."""
     tokens = tokenize(load_documents(source), tokenizer, workers)
     if not tokens.cache_files:
-        raise ValueError(f"corpus {source!r}: the tokenised dataset has no cache file to pack beside")
+        raise InputError(f"corpus {source!r}: the tokenised dataset has no cache file to pack beside")
     eos = tokenizer.eos_token_id
     path = Path(tokens.cache_files[0]["filename"]).parent / f"adept-ext-stream-{tokens._fingerprint}-eos{eos}.int32"
     if not path.exists():
@@ -157,7 +158,7 @@ def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1) -> P
     stream = np.memmap(path, dtype=np.int32, mode="r") if path.stat().st_size else np.zeros(0, np.int32)
     blocks = PackedBlocks(stream, block_len, data.pad_id(tokenizer))
     if not len(blocks):
-        raise ValueError(f"corpus {source!r} holds no text with a token to score")
+        raise InputError(f"corpus {source!r} holds no text with a token to score")
     return blocks
 
 
@@ -168,7 +169,7 @@ class BlockStream:
 
     def __init__(self, source: str, tokenizer, block_len: int):
         if block_len < 2:
-            raise ValueError(f"block_len must be >= 2, got {block_len}")
+            raise InputError(f"block_len must be >= 2, got {block_len}")
         self.source, self.tokenizer, self.block_len = source, tokenizer, block_len
         self.pad = data.pad_id(tokenizer)
 
@@ -189,7 +190,7 @@ class BlockStream:
         """The first n blocks; ValueError when the corpus has fewer."""
         blocks = [block for _, block in zip(range(n), self)]
         if len(blocks) < n:
-            raise ValueError(f"corpus {self.source!r}: {len(blocks)} blocks of {self.block_len} tokens, "
+            raise InputError(f"corpus {self.source!r}: {len(blocks)} blocks of {self.block_len} tokens, "
                              f"fewer than the {n} a run reads first")
         return blocks
 
@@ -210,7 +211,7 @@ class StreamBatches(Sequence):
 
     def __init__(self, stream: BlockStream, skip: int, batch_size: int):
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise InputError(f"batch_size must be >= 1, got {batch_size}")
         self.stream, self.skip, self.batch_size = stream, skip, batch_size
         self.count = None  # batches in the stream, once its end was reached
         self._restart()
@@ -233,7 +234,7 @@ class StreamBatches(Sequence):
             batch = [b for _, b in zip(range(self.batch_size), self._blocks)]
             if not batch:
                 if self._next == 0:
-                    raise ValueError(f"corpus {self.stream.source!r}: no training block after the first {self.skip}")
+                    raise InputError(f"corpus {self.stream.source!r}: no training block after the first {self.skip}")
                 self.count = self._next
                 return self[i % self.count]
             self._next += 1

@@ -31,6 +31,7 @@ from .models import adapter
 from .ops import linear_cross_entropy
 from .probe import LayerScores, device_batch, prefix_shared_variants
 from .report import dataclass_json, plot_diagnosis
+from .rundir import InputError
 
 STRATEGIES = ("freeze_deep", "freeze_shallow")
 MASKABLE_ATTENTION = ("sdpa", "eager")
@@ -89,16 +90,16 @@ def _checked(model, batches, need_context: bool):
     ad = adapter(model)
     batches = list(batches)
     if not batches:
-        raise ValueError("no batches to diagnose")
+        raise InputError("no batches to diagnose")
     for i, batch in enumerate(batches):
         shape = batch["input_ids"].shape
         for key in ("attention_mask", "context_mask", "score_mask"):
             if key in batch and batch[key].shape != shape:
-                raise ValueError(f"batch {i}: {key} has shape {tuple(batch[key].shape)}, input_ids {tuple(shape)}")
+                raise InputError(f"batch {i}: {key} has shape {tuple(batch[key].shape)}, input_ids {tuple(shape)}")
         if need_context and "context_mask" not in batch:
-            raise ValueError(f"batch {i} has no context_mask (bool [B, T], True on the context s_1)")
+            raise InputError(f"batch {i} has no context_mask (bool [B, T], True on the context s_1)")
     if need_context and getattr(model.config, "_attn_implementation", "eager") not in MASKABLE_ATTENTION:
-        raise ValueError(f"layer_sensitivity masks attention per layer, which needs attn_implementation in "
+        raise InputError(f"layer_sensitivity masks attention per layer, which needs attn_implementation in "
                          f"{MASKABLE_ATTENTION}; the model uses {model.config._attn_implementation!r}")
     return ad, batches
 
@@ -137,7 +138,7 @@ def logit_lens(model, batches: Iterable[Dict[str, torch.Tensor]], threshold: flo
     empty batches or no scored position; the model is left as it was.
     """
     if not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        raise InputError(f"threshold must be in (0, 1], got {threshold}")
     ad, batches = _checked(model, batches, need_context=False)
     device = ad.lm_head.weight.device
     weight = ad.lm_head.weight
@@ -173,7 +174,7 @@ def logit_lens(model, batches: Iterable[Dict[str, torch.Tensor]], threshold: flo
     finally:
         model.train(was_training)
     if positions == 0:
-        raise ValueError("no scored position in the batches (score_mask / attention_mask are all False)")
+        raise InputError("no scored position in the batches (score_mask / attention_mask are all False)")
     means = (sums / positions).tolist()
     embeddings, p_task = means[0], means[1:]
     before = [embeddings] + p_task[:-1]
@@ -230,7 +231,7 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
         batches = [{**b, "context_mask": m} for b, m in zip(batches, context_mask, strict=True)]
     ad, batches = _checked(model, batches, need_context=True)
     if not any(b["context_mask"].bool().any() for b in batches):
-        raise ValueError("context_mask marks no token: there is no context s_1 to mask")
+        raise InputError("context_mask marks no token: there is no context s_1 to mask")
     device = ad.lm_head.weight.device
     weight = ad.lm_head.weight
     sums = torch.zeros(ad.num_layers, dtype=torch.float64, device=device)
@@ -265,7 +266,7 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
         bar.close()
         model.train(was_training)
     if positions == 0:
-        raise ValueError("no scored query position (score_mask & ~context_mask & attention_mask are all False)")
+        raise InputError("no scored query position (score_mask & ~context_mask & attention_mask are all False)")
     js = (sums / positions).tolist()
     delta = [None] + [(j - i) / (i + eps) for i, j in zip(js, js[1:])]
     return SensitivityProfile(js, delta, positions)
@@ -297,11 +298,11 @@ def allocate(model_or_layers, strategy: str = "freeze_deep", diagnosis: Optional
     unknown strategy, a model with fewer than 2 layers or a boundary outside [1, L−1]."""
     n = model_or_layers if isinstance(model_or_layers, int) else adapter(model_or_layers).num_layers
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        raise InputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if n < 2:
-        raise ValueError(f"allocation needs at least 2 layers, the model has {n}")
+        raise InputError(f"allocation needs at least 2 layers, the model has {n}")
     if boundary is None:
         boundary = boundary_from(diagnosis, sensitive_fraction) if diagnosis is not None else n // 2
     if not 1 <= boundary <= n - 1:
-        raise ValueError(f"boundary {boundary} is not in [1, {n - 1}] for a model with {n} layers")
+        raise InputError(f"boundary {boundary} is not in [1, {n - 1}] for a model with {n} layers")
     return list(range(boundary)) if strategy == "freeze_deep" else list(range(boundary, n))

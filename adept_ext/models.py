@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .rundir import InputError
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 EMBEDDED_MODELS = {
     # name: (PyPI package shipping the file, GGUF file name, the model's name as its authors publish it).
@@ -66,16 +68,16 @@ def adapter(model) -> ModelAdapter:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
+        raise InputError(
             f"unsupported architecture {model_type!r} ({type(model).__name__}); "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     for attr in ("num_experts", "num_local_experts"):
         if getattr(config, attr, None):
-            raise ValueError(f"mixture-of-experts models are not supported ({attr}={getattr(config, attr)})")
+            raise InputError(f"mixture-of-experts models are not supported ({attr}={getattr(config, attr)})")
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
-        raise ValueError(f"{type(model).__name__} is not a causal LM with .model.layers and .lm_head "
+        raise InputError(f"{type(model).__name__} is not a causal LM with .model.layers and .lm_head "
                          "(load it with AutoModelForCausalLM)")
     return ModelAdapter(model)
 
@@ -165,9 +167,9 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:  # not JSON, or no model_type transformers knows
-        raise ValueError(f"{path / 'config.json'} cannot be read as a Hugging Face config: {str(e).splitlines()[0]}") from e
+        raise InputError(f"{path / 'config.json'} cannot be read as a Hugging Face config: {str(e).splitlines()[0]}") from e
     if config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {config.model_type!r} in {path}; "
+        raise InputError(f"unsupported architecture {config.model_type!r} in {path}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)

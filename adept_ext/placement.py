@@ -31,6 +31,7 @@ import torch
 
 from .models import adapter
 from .probe import device_batch, layer_importance
+from .rundir import InputError
 
 PLACEMENTS = ("importance", "uniform", "domain_aware", "plasticity", "depth", "spread")
 NEEDS_DOMAIN = ("domain_aware", "plasticity")
@@ -68,7 +69,7 @@ def in_depth(general: Sequence[float], k: int, boundary: int) -> List[int]:
     """depth: the k smallest I_g among layers [boundary, L); the whole depth when fewer remain."""
     deep = list(range(boundary, len(general)))
     if len(deep) < k:
-        raise ValueError(f"depth placement: {len(deep)} layers at or past the boundary {boundary}, fewer than k = {k}")
+        raise InputError(f"depth placement: {len(deep)} layers at or past the boundary {boundary}, fewer than k = {k}")
     return _lowest(general, k, deep)
 
 
@@ -110,14 +111,14 @@ def choose(placement: str, model, k: int, general_probe, domain_probe=None, boun
     """{"layers": k sorted indices, "general": LayerScores or None, plus what the criterion
     measured}. ValueError for an unknown placement, a k outside [1, L] or a missing domain probe."""
     if placement not in PLACEMENTS:
-        raise ValueError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+        raise InputError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
     n = adapter(model).num_layers
     if not 0 < k <= n:
-        raise ValueError(f"k = {k} is not in [1, {n}]")
+        raise InputError(f"k = {k} is not in [1, {n}]")
     if placement == "uniform":
         return {"layers": uniform(n, k), "general": None}
     if placement in NEEDS_DOMAIN and not domain_probe:
-        raise ValueError(f"placement {placement} needs domain probe batches")
+        raise InputError(f"placement {placement} needs domain probe batches")
     general = layer_importance(model, general_probe, progress=progress)
     rules: Dict[str, Callable[[], Dict]] = {
         "importance": lambda: {"layers": general.select(k)},

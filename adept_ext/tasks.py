@@ -21,6 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from . import data
+from .rundir import InputError
 
 BUILTIN_SEQUENCE = ("python-docs", "python-source", "bbc-topic")
 KINDS = ("text", "instruction")
@@ -29,12 +30,13 @@ TOPIC_WORDS = 60  # words of an article in a bbc-topic prompt
 
 @dataclass
 class Task:
-    """A task's training and held-out blocks ([n, block_len] input_ids, attention_mask, labels)."""
+    """A task's training and held-out blocks (`data.BlockSet`s of [block_len] input_ids,
+    attention_mask, labels rows, read on access)."""
 
     name: str
     kind: str
-    train: Dict[str, torch.Tensor]
-    held: Dict[str, torch.Tensor]
+    train: data.BlockSet
+    held: data.BlockSet
 
     @property
     def metric(self) -> str:
@@ -48,11 +50,13 @@ def bbc_halves() -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
     return articles[1::2], articles[0::2]
 
 
-def general_texts(source: str) -> List[str]:
-    """The general corpus of a sequence: for `bbc-news`, only the half `bbc-topic` never uses."""
+def general_blocks(source: str, tokenizer, block_len: int, workers: int = 1):
+    """The general corpus of a sequence as blocks: for `bbc-news`, only the half `bbc-topic` never
+    uses; any other source as `data.corpus_blocks` reads it (a file, folder or saved dataset
+    through Hugging Face datasets, memory-mapped)."""
     if source == "bbc-news":
-        return [text for text, _ in bbc_halves()[0]]
-    return data.load_texts(source)
+        return data.TensorBlocks(data.token_blocks([text for text, _ in bbc_halves()[0]], tokenizer, block_len))
+    return data.corpus_blocks(source, tokenizer, block_len, workers)
 
 
 def read_examples(path: Path) -> List[Tuple[str, str]]:
@@ -64,10 +68,10 @@ def read_examples(path: Path) -> List[Tuple[str, str]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            raise InputError(f"{path}:{n}: not JSON ({e.msg})") from None
         if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
                 and isinstance(record.get("answer"), str) and record["answer"].strip()):
-            raise ValueError(f"{path}:{n}: an instruction task needs a string 'prompt' and a non-empty 'answer'")
+            raise InputError(f"{path}:{n}: an instruction task needs a string 'prompt' and a non-empty 'answer'")
         examples.append((record["prompt"], record["answer"]))
     return examples
 
@@ -96,7 +100,7 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
     for prompt, answer in examples:
         a = tokenizer(answer, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
         if len(a) >= block_len:
-            raise ValueError(f"an answer of {len(a)} tokens does not fit a block of {block_len}")
+            raise InputError(f"an answer of {len(a)} tokens does not fit a block of {block_len}")
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"][-(block_len - len(a)):] if block_len > len(a) else []
         rows.append(p + a)
         answer_starts.append(len(p))
@@ -108,13 +112,18 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
             "labels": input_ids.masked_fill(~labelled, -100)}
 
 
-def _split(blocks, seed) -> Tuple[Dict, Dict]:
-    return data.split_blocks(blocks, 0.1, seed)
+def split(blocks, seed: int) -> Tuple[data.BlockSet, data.BlockSet]:
+    """(train, held-out) views of `blocks`: the seeded 10 % split of `data.split_indices`."""
+    train, held = data.split_indices(len(blocks), 0.1, seed)
+    return data.BlockSet(blocks, train), data.BlockSet(blocks, held)
 
 
-def load_task(source: str, tokenizer, block_len: int, seed: int) -> Task:
-    """The task named or stored at `source` (see the module docstring). ValueError/FileNotFoundError
-    for a missing, empty or malformed source, or one with too little data to hold any out."""
+def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> Task:
+    """The task named or stored at `source` (see the module docstring): a text task's file, folder
+    or saved dataset is tokenised through Hugging Face datasets by `workers` processes, cached on
+    disk and memory-mapped (`data.corpus_blocks`); instruction examples are held in memory.
+    InputError/FileNotFoundError for a missing, empty or malformed source, or one with too
+    little data to hold any out."""
     path = Path(source)
     if source == "bbc-topic":
         kind, name, examples = "instruction", source, topic_examples()
@@ -126,27 +135,26 @@ def load_task(source: str, tokenizer, block_len: int, seed: int) -> Task:
         kind, name, examples = "text", path.stem or path.name, None
     if kind == "instruction":
         if len(examples) < 2:
-            raise ValueError(f"task {name!r}: {len(examples)} example(s); at least 2 are needed to hold one out")
-        blocks = instruction_blocks(examples, tokenizer, block_len)
+            raise InputError(f"task {name!r}: {len(examples)} example(s); at least 2 are needed to hold one out")
+        blocks = data.TensorBlocks(instruction_blocks(examples, tokenizer, block_len))
     else:
-        blocks = data.token_blocks(data.load_texts(source), tokenizer, block_len)
-        if blocks["input_ids"].shape[0] < 2:
-            raise ValueError(f"task {name!r} is shorter than two blocks of {block_len} tokens: nothing to hold out")
-    train, held = _split(blocks, seed)
-    return Task(name, kind, train, held)
+        blocks = data.corpus_blocks(source, tokenizer, block_len, workers)
+        if len(blocks) < 2:
+            raise InputError(f"task {name!r} is shorter than two blocks of {block_len} tokens: nothing to hold out")
+    return Task(name, kind, *split(blocks, seed))
 
 
-def load_tasks(spec: str, tokenizer, block_len: int, seed: int) -> List[Task]:
+def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> List[Task]:
     """The tasks of `--tasks` (comma-separated sources, or `builtin`), in order; ValueError for
     an empty list or duplicate names."""
     sources = list(BUILTIN_SEQUENCE) if spec == "builtin" else [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
-        raise ValueError("--tasks names no task")
-    tasks = [load_task(s, tokenizer, block_len, seed) for s in sources]
+        raise InputError("--tasks names no task")
+    tasks = [load_task(s, tokenizer, block_len, seed, workers) for s in sources]
     names = [t.name for t in tasks]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ValueError(f"duplicate task name(s) {', '.join(duplicates)}: every task needs its own name (file stem)")
+        raise InputError(f"duplicate task name(s) {', '.join(duplicates)}: every task needs its own name (file stem)")
     return tasks
 
 

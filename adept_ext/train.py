@@ -19,6 +19,7 @@ import random
 import resource
 import shutil
 import time
+import typing
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -34,7 +35,7 @@ from .methods.base import REGISTRY
 from .models import adapter, load_model
 from .placement import PLACEMENTS
 from .report import plot_loss_curves
-from .rundir import CHECKPOINT, RunError, atomic_dir, atomic_write, check_out, prepare_out
+from .rundir import CHECKPOINT, InputError, RunError, atomic_dir, atomic_write, check_out, prepare_out
 
 METHODS = tuple(method_names(single_domain=True))
 DIAGNOSIS_TASKS = ("bbc-topic", "context")
@@ -70,6 +71,7 @@ class TrainOptions:
     parallel: str = "ddp"             # under torchrun: ddp | fsdp2 (parameters and optimizer state sharded)
     resume: bool = False              # continue the run in `out` from its last checkpoint
     overwrite: bool = False           # replace an existing run in `out`
+    data_workers: int = 0             # processes tokenising a file/folder corpus (0 = the CPU count, at most 8)
 
 
 @dataclass
@@ -88,7 +90,6 @@ class RunConfig(TrainOptions):
     diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (general blocks)
     diagnosis_queries: int = 8        # composite inputs used by the diagnosis
     streaming: bool = False           # read the corpora as streams (in corpus order, no cache; large_corpus)
-    data_workers: int = 0             # processes tokenising a file/folder corpus (0 = the CPU count, at most 8)
 
 
 def options_from(cls, overrides: Dict, sequence: bool = False):
@@ -98,6 +99,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise RunError(f"unknown option(s): {', '.join(unknown)}")
+    _check_types(cls, overrides)
     cfg = cls(**overrides)
     for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every", "k"):
         if getattr(cfg, name) < 1:
@@ -109,6 +111,8 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError(f"lr must be a finite number > 0, got {cfg.lr}")
     if cfg.block_len < 2:
         raise RunError(f"block_len must be >= 2 (a block needs a next token to score), got {cfg.block_len}")
+    if cfg.data_workers < 0:
+        raise RunError(f"data_workers must be >= 0 (0 = the CPU count), got {cfg.data_workers}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
     if cfg.parallel not in parallel.ENGINES:
@@ -123,6 +127,21 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
     return cfg
 
 
+def _check_types(cls, overrides: Dict):
+    """RunError for a value of the wrong type (a TOML `lr = "1e-4"`, `steps = 2.5`): an int is
+    accepted for a float option, a bool is never a number."""
+    hints = typing.get_type_hints(cls)
+    for name, value in overrides.items():
+        want = hints[name]
+        allowed = typing.get_args(want) if typing.get_origin(want) is typing.Union else (want,)
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not any(value is None if a is type(None) else
+                   (numeric and a in (int, float) and (a is float or isinstance(value, int)))
+                   or (a not in (int, float) and isinstance(value, a)) for a in allowed):
+            names = " or ".join("none" if a is type(None) else a.__name__ for a in allowed)
+            raise RunError(f"{name} must be of type {names}, got {value!r} ({type(value).__name__})")
+
+
 def config_from(overrides: Dict) -> RunConfig:
     """A checked RunConfig from a dict of options (flags, TOML)."""
     if isinstance(overrides.get("layers"), list):  # TOML: layers = [7, 14]
@@ -132,8 +151,6 @@ def config_from(overrides: Dict) -> RunConfig:
     cfg = options_from(RunConfig, overrides)
     if cfg.diagnosis_queries < 1:
         raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
-    if cfg.data_workers < 0:
-        raise RunError(f"data_workers must be >= 0 (0 = the CPU count), got {cfg.data_workers}")
     if cfg.boundary not in ("half", "auto") and not cfg.boundary.isdigit():
         raise RunError(f"boundary must be half, auto or a layer count, got {cfg.boundary!r}")
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
@@ -206,6 +223,12 @@ def evaluate(model, batches, device, desc="eval", progress=True) -> float:
     return total / count
 
 
+def data_workers(cfg) -> int:
+    """Processes that tokenise a file, folder or saved-dataset corpus: `data_workers`, or for 0 the
+    CPU count (at most 8)."""
+    return cfg.data_workers or min(8, os.cpu_count() or 1)
+
+
 class Corpora:
     """Token blocks of both corpora: general probe + held-out, domain train + held-out.
 
@@ -221,7 +244,7 @@ class Corpora:
             self._streamed(cfg, tokenizer) if cfg.streaming else self._packed(cfg, tokenizer)
 
     def _packed(self, cfg, tokenizer):
-        workers = cfg.data_workers or min(8, os.cpu_count() or 1)
+        workers = data_workers(cfg)
         general, domain = (data.corpus_blocks(source, tokenizer, cfg.block_len, workers)
                            for source in (cfg.general, cfg.domain))
         for name, blocks in (("general", general), ("domain", domain)):
@@ -266,7 +289,7 @@ def run_diagnosis(model, cfg, corpora, importance=None, progress=True) -> Diagno
     """LayerTracer's logit lens and layer sensitivity on `cfg.diagnosis_task` (see lens.py)."""
     try:
         return diagnose(model, diagnosis_batches(cfg, corpora), importance, progress=progress)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, InputError) as e:
         raise RunError(f"diagnosis: {e}") from e
 
 
@@ -349,11 +372,24 @@ def training_state(model, method, optimizer, scheduler) -> Dict:
     """What a checkpoint needs to continue a task exactly: trainable weights, optimizer, schedule,
     the method's state and every RNG. A sharded (FSDP2) model's weights and optimizer state are
     not in it: every rank writes its shards with `save_sharded_state`."""
-    state = {"scheduler": scheduler.state_dict(), "method": method.state_dict(), "rng": _rng_state()}
+    state = {"scheduler": scheduler.state_dict(), "method": method.state_dict(), "rng": _rng_state(),
+             "world_size": parallel.world_size()}
     if not parallel.is_sharded(model):
         state.update(trainable={n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
                      optimizer=optimizer.state_dict())
     return state
+
+
+def read_checkpoint(out: Path) -> Dict:
+    """The checkpoint of the run in `out`, for --resume. RunError when it was written by another
+    number of processes: which micro-batches each rank takes, and a sharded run's shards, follow
+    the world size, so resuming on another one would not continue the same run."""
+    checkpoint = torch.load(out / CHECKPOINT, weights_only=False)
+    saved, world = checkpoint.get("world_size", 1), parallel.world_size()
+    if saved != world:
+        raise RunError(f"--resume: the run in {out} was checkpointed by {saved} process(es) and this is {world}: "
+                       f"resume it with the same number of processes ({saved})")
+    return checkpoint
 
 
 SHARDS = "checkpoint-shards"  # sharded runs: the DCP directory of a checkpoint is SHARDS-<step>
@@ -410,19 +446,19 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     started = time.time()
     main = parallel.is_main()
     bf16 = _use_bf16(cfg, device)
-    check_out(cfg, "run")
+    checkpoint = read_checkpoint(check_out(cfg, "run")) if cfg.resume else None
     method = create(cfg.method, cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
         model, tokenizer = load_model(cfg.model, device=device)
         method.check(model)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     _check_memory(cfg, model, bf16)
     try:
         corpora = Corpora(cfg, tokenizer)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     out = prepare_out(cfg, "run") if main else Path(cfg.out)
     parallel.barrier(device)
@@ -433,7 +469,6 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     def stage(name, t0, **extra):
         report["stages"][name] = {"seconds": round(time.time() - t0, 2), "peak_memory_mb": round(_peak_memory_mb(device)), **extra}
 
-    checkpoint = torch.load(out / CHECKPOINT, weights_only=False) if cfg.resume else None
     t0 = time.time()
     base = checkpoint["base"] if checkpoint else {
         "general_loss": evaluate(model, corpora.general_eval, device, "eval general (base)", progress),

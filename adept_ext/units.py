@@ -11,6 +11,7 @@ min–max (`per_kind`, as the released code but per kind) gave a mean multiplier
 SmolLM2-135M with 4 copies (`tools/bench.py lr`), rank 1.01.
 """
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -154,7 +155,8 @@ class UnitImportance:
     on the device with the fused `taylor_importance` op and synchronises with the host once.
     `compute(use_source=True)` scores the source layers' tensors instead: the fresh copies
     score exactly 0 (θ = 0 in o_proj/down_proj, ∇ = 0 upstream of them), so that is what ADEPT
-    uses before the first recompute. Under an initialised process group the sums and token
+    uses before the first recompute (a unit that scores exactly 0 is named in `zero_units` and
+    warned about: it would get the highest rate). Under an initialised process group the sums and token
     counts are all-reduced before normalising, so every rank gets the same scores. On a model
     sharded by FSDP2 (`fully_shard`) every rank instead goes through every probe batch (the same
     all-gathers and reduce-scatters on every rank, whatever the batch count, so the averaged
@@ -181,6 +183,7 @@ class UnitImportance:
             raise ValueError("probe data is empty: no batches")
         self.mode, self.normalize = mode, normalize
         self.autocast_dtype = check_autocast_dtype(autocast_dtype)
+        self.zero_units: List[str] = []  # units the last call scored exactly 0 (also warned)
 
     def raw_scores(self, use_source: bool = False, autocast_dtype=None) -> List[float]:
         """Mean θ·g (signed or absolute) per unit, averaged over the probe batches. `autocast_dtype`
@@ -234,6 +237,11 @@ class UnitImportance:
         bad = [n for n, v in zip(names, column) if not math.isfinite(v)]
         if bad:
             raise FloatingPointError(f"non-finite gradient or weight in unit {bad[0]} (and {len(bad) - 1} more)")
+        self.zero_units = [n for n, v in zip(names, column) if v == 0.0]
+        if self.zero_units:  # all-zero θ⊙g: scored 0, i.e. the highest rate; said, not silent
+            warnings.warn(f"unit {self.zero_units[0]} (and {len(self.zero_units) - 1} more) scores exactly 0 "
+                          "(θ⊙g is 0 everywhere: a fresh copy before training, or a gradient of zeros) and gets "
+                          "the highest rate; score the source layers instead with use_source=True", stacklevel=2)
         return column
 
     def compute(self, use_source: bool = False, autocast_dtype=None) -> List[float]:

@@ -2,6 +2,7 @@
 SmolLM2 tokenizer and real text."""
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from adept_ext import data
 from adept_ext.cli import main
 from adept_ext.continual import config_from, metrics, run
-from adept_ext.methods import method_names
+from adept_ext.methods import create, method_names
 from adept_ext.models import load_model
 from adept_ext.tasks import answer_scores, instruction_blocks, load_tasks
 from adept_ext.train import RunError
@@ -148,9 +149,45 @@ def test_builtin_sequence_tasks(workspace):
     assert [(t.name, t.kind) for t in tasks] == [("python-docs", "text"), ("python-source", "text"),
                                                  ("bbc-topic", "instruction")]
     topic = tasks[2]
-    labelled = topic.held["labels"][0]
+    labelled = topic.held.tensors()["labels"][0]
     answer = tokenizer.decode(labelled[labelled != -100][:-1])
     assert answer.strip() in ("business", "entertainment", "politics", "sports", "tech")
+
+
+def test_text_tasks_are_memory_mapped_views_with_the_in_memory_blocks_and_split(workspace):
+    """A file or folder task goes through Hugging Face datasets (data.corpus_blocks): its splits
+    are views of memory-mapped blocks, equal to the in-memory token blocks split the same way."""
+    tokenizer = load_model(workspace / "tiny")[1]
+    docs, = load_tasks(str(workspace / "docs.txt"), tokenizer, 32, seed=3)
+    assert isinstance(docs.train.source.stream, np.memmap)
+    train, held = data.split_blocks(data.token_blocks(data.load_texts(str(workspace / "docs.txt")), tokenizer, 32), 0.1, 3)
+    for view, tensors in ((docs.train, train), (docs.held, held)):
+        assert len(view) == tensors["input_ids"].shape[0]
+        assert all(torch.equal(view.tensors()[k], tensors[k]) for k in tensors)
+    assert torch.equal(docs.train.first(5).tensors()["input_ids"], train["input_ids"][:5])
+    batches = docs.train.batches(4)
+    assert len(batches) == -(-len(docs.train) // 4) and torch.equal(batches[1]["input_ids"], train["input_ids"][4:8])
+
+
+def test_replay_mixes_views_into_the_blocks_the_tensor_mixture_gave(workspace):
+    """Replay's buffer and shuffle as views (nothing copied) equal the mixture built from tensors
+    (the implementation before views): same rows, same order, text and instruction tasks mixed."""
+    import random
+
+    tokenizer = load_model(workspace / "tiny")[1]
+    tasks = load_tasks(f"{workspace / 'docs.txt'},{workspace / 'topics.jsonl'}", tokenizer, 32, seed=0)
+    cfg = options(workspace, "unused", method="replay", replay_fraction=0.5)
+    mixed = create("replay", cfg, sequence=True).train_blocks([t.train for t in tasks], 1)
+    rng = random.Random(cfg.seed * 1000 + 1)
+    earlier, current = tasks[0].train.tensors(), tasks[1].train.tensors()
+    n = earlier["input_ids"].shape[0]
+    rows = torch.tensor(sorted(rng.sample(range(n), max(1, round(0.5 * n)))))
+    expected = {k: torch.cat([current[k], earlier[k][rows]]) for k in current}
+    order = list(range(expected["input_ids"].shape[0]))
+    rng.shuffle(order)
+    got = mixed.tensors()
+    assert all(torch.equal(got[k], expected[k][torch.tensor(order)]) for k in expected)
+    assert data.ConcatBlocks([tasks[0].train, tasks[1].train]).rows([]).keys() == expected.keys()
 
 
 @pytest.mark.parametrize("change,message", [

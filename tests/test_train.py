@@ -194,6 +194,12 @@ def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspac
     monkeypatch.setattr(train_module, "evaluate", real_evaluate)
     assert main(["run", "--out", str(out), "--resume", "--method", "lora", "--no-progress"]) == 2
     assert "differs from the run's own method ('full')" in capsys.readouterr().err
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert checkpoint["world_size"] == 1
+    torch.save({**checkpoint, "world_size": 2}, out / "checkpoint.pt")  # as if written by 2 torchrun processes
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 2
+    assert "checkpointed by 2 process(es) and this is 1" in capsys.readouterr().err
+    torch.save(checkpoint, out / "checkpoint.pt")
     assert main(["run", "--out", str(out), "--resume", "--steps", "5", "--no-progress"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["method"] == "full" and report["config"]["steps"] == 5 and len(report["history"]["train"]) == 5
@@ -234,6 +240,20 @@ def test_each_command_has_its_own_options_default_output_and_description(capsys)
         assert resolve_config(build_parser().parse_args([command])).out == f"runs/{command}"
 
 
+@pytest.mark.parametrize("line,message", [
+    ('lr = "1e-4"', "lr must be of type float, got '1e-4' (str)"),
+    ("steps = 2.5", "steps must be of type int, got 2.5 (float)"),
+    ("overwrite = 1", "overwrite must be of type bool, got 1 (int)"),
+    ("k = true", "k must be of type int, got True (bool)"),
+])
+def test_toml_values_of_the_wrong_type_are_one_error_line(tmp_path, capsys, line, message):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(line + "\n")
+    assert main(["run", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_unknown_toml_option_names_the_file_and_a_likely_option(tmp_path, capsys):
     cfg = tmp_path / "run.toml"
     cfg.write_text("learning_rate = 1e-4\n")
@@ -249,6 +269,11 @@ def test_unknown_toml_option_names_the_file_and_a_likely_option(tmp_path, capsys
     (["--block-len", "1"], "block_len must be >= 2"),
     (["--weight-decay", "-1"], "weight_decay must be >= 0"),
     (["--probe-blocks", "0"], "probe_blocks must be >= 1"),
+    (["--lr", "0"], "lr must be a finite number > 0"),
+    (["--lr", "inf"], "lr must be a finite number"),
+    (["--batch-size", "0"], "batch_size must be >= 1"),
+    (["--steps", "-3"], "steps must be >= 1"),
+    (["--max-grad-norm", "nan"], "max_grad_norm must be a finite number"),
 ])
 def test_bad_values_are_refused_before_anything_is_loaded_or_written(tmp_path, capsys, argv, message):
     out = tmp_path / "o"
@@ -293,3 +318,45 @@ def test_no_progress_holds_for_one_command_only(tmp_path):
     assert hf_logging.is_progress_bar_enabled()
     assert main(["run", "--model", "no-such-model", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_only_the_librarys_own_input_errors_become_one_line(workspace, monkeypatch, capsys):
+    """A ValueError from a bug (here planted in the corpus loading) keeps its traceback; the
+    library's input errors (InputError, a ValueError too) are one line."""
+    import adept_ext.train as train_module
+    from adept_ext.rundir import InputError
+
+    argv = ["run", "--out", str(workspace / "bug"), "--model", str(workspace / "tiny"), "--general",
+            str(workspace / "general"), "--domain", str(workspace / "domain.jsonl"), "--no-progress"]
+
+    def buggy(*args, **kwargs):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(train_module, "Corpora", buggy)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(argv)
+
+    def refusing(*args, **kwargs):
+        raise InputError("corpus 'x' holds no text")
+
+    monkeypatch.setattr(train_module, "Corpora", refusing)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith("corpus 'x' holds no text")
+    assert issubclass(InputError, ValueError)
+
+
+def test_cli_probe_reads_a_corpus_folder_through_datasets_with_the_in_memory_blocks(workspace):
+    """`adept-ext probe` on a folder corpus scores the probe blocks the in-memory path would cut."""
+    from adept_ext import data
+    from adept_ext.models import load_model
+    from adept_ext.probe import layer_importance
+
+    out = workspace / "probe-cli"
+    argv = ["probe", "--model", str(workspace / "tiny"), "--general", str(workspace / "general"), "--out", str(out),
+            "--k", "2", "--block-len", "32", "--batch-size", "2", "--probe-blocks", "3", "--no-progress"]
+    assert main(argv) == 0
+    saved = json.loads((out / "layer_importance.json").read_text())
+    model, tokenizer = load_model(str(workspace / "tiny"))
+    train, _ = data.split_blocks(data.token_blocks(data.load_texts(str(workspace / "general")), tokenizer, 32), 0.1, 0)
+    expected = layer_importance(model, data.batches(data.first_blocks(train, 3), 2), progress=False)
+    assert saved["scores"] == pytest.approx(expected.scores, rel=1e-6, abs=1e-9)

@@ -181,3 +181,17 @@ def test_a_unit_without_gradient_is_an_error_not_the_highest_rate():
     with pytest.raises(ValueError, match=r"model.layers.2.mlp.gate_proj.weight \(and 3 more\) receives no gradient"):
         imp.compute()
     assert all(p.requires_grad == (".2." in n) for n, p in model.named_parameters())  # flags restored
+
+
+def test_a_unit_scoring_exactly_zero_is_reported_not_silent():
+    model = tiny_model("llama", layers=3)
+    expand_layers(model, [1])
+    imp = UnitImportance(model, padded_batches(n_batches=1))
+    with pytest.warns(UserWarning, match=r"scores exactly 0 .* use_source=True"):
+        scores = imp.raw_scores()  # the fresh copy: θ = 0 in o_proj/down_proj, ∇ = 0 upstream of them
+    assert imp.zero_units == [u.name for u in imp.units] and scores == [0.0] * len(imp.units)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(s > 0 for s in imp.raw_scores(use_source=True))
+    assert imp.zero_units == []

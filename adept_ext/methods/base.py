@@ -29,12 +29,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..rundir import RunError
+from ..data import BlockSet
+from ..rundir import InputError
 
 REGISTRY: Dict[str, type] = {}
 
 
-class MethodError(RunError, ValueError):
+class MethodError(InputError):
     """An input a method cannot work with (an unknown name, a sequence it does not learn, an option
     or a k that does not fit the model): one `adept-ext: error:` line in the CLI, and a ValueError
     for code that calls the methods directly. Any other exception inside a method is a bug and
@@ -138,7 +139,7 @@ class Method:
         """What the next optimizer step will do besides updating (for the progress bar), or ""."""
         return ""
 
-    def train_blocks(self, blocks: List[Dict[str, torch.Tensor]], task_index: int) -> Dict[str, torch.Tensor]:
+    def train_blocks(self, blocks: List[BlockSet], task_index: int) -> BlockSet:
         """The training blocks of task `task_index`, given every task's training blocks (default: its own)."""
         return blocks[task_index]
 

@@ -4,10 +4,9 @@ earlier task max(1, round(f·n_i)) of its n_i training blocks, f = `replay_fract
 0.02), drawn once per task with the run's seed — on top of `seq_full` (default) or `seq_lora`
 (`replay_base`)."""
 import random
-from typing import Dict, List
+from typing import List
 
-import torch
-
+from .. import data
 from .base import Method, MethodError, create, register
 
 BASES = ("full", "lora")
@@ -34,18 +33,18 @@ class Replay(Method):
         setup.summary += f" on its data plus a {self.cfg.replay_fraction:.0%} replay buffer of earlier tasks"
         return setup
 
-    def train_blocks(self, blocks: List[Dict[str, torch.Tensor]], task_index: int) -> Dict[str, torch.Tensor]:
-        """Task `task_index`'s blocks with the buffer rows appended, in one seeded shuffle."""
+    def train_blocks(self, blocks: List[data.BlockSet], task_index: int) -> data.BlockSet:
+        """Task `task_index`'s blocks with the buffer rows appended, in one seeded shuffle (read on
+        access: the task's blocks are not copied)."""
         rng = random.Random(self.cfg.seed * 1000 + task_index)
         parts = [blocks[task_index]]
         for earlier in blocks[:task_index]:
-            n = earlier["input_ids"].shape[0]
-            rows = torch.tensor(sorted(rng.sample(range(n), max(1, round(self.cfg.replay_fraction * n)))))
-            parts.append({k: v[rows] for k, v in earlier.items()})
-        mixed = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}  # every task's blocks are block_len wide
-        order = list(range(mixed["input_ids"].shape[0]))
+            n = len(earlier)
+            parts.append(data.BlockSet(earlier, sorted(rng.sample(range(n), max(1, round(self.cfg.replay_fraction * n))))))
+        mixed = data.ConcatBlocks(parts)  # every task's blocks are block_len wide
+        order = list(range(len(mixed)))
         rng.shuffle(order)
-        return {k: v[torch.tensor(order)] for k, v in mixed.items()}
+        return data.BlockSet(mixed, order)
 
     def attach(self, optimizer):
         self.base.attach(optimizer)
