@@ -15,6 +15,9 @@ class ADEPTCallback(TrainerCallback):
     Trainer (it then builds its own scheduler on top, which composes with the multipliers).
     The recompute runs in the training's precision: under autocast bf16/fp16 when the Trainer's
     `args.bf16`/`args.fp16` is set (`autocast_dtype="auto"`, the default), or as given.
+    The multipliers are applied by the Trainer's own `on_pre_optimizer_step`/`on_optimizer_step`
+    events around its optimizer step (`DecoupledLR(hooks=False)`), not by the torch optimizer's
+    step hooks, so an optimizer wrapper that never runs those hooks (DeepSpeed, FSDP's) works too.
     """
 
     def __init__(self, probe_batches, every: int = 100, mode: str = "abs", normalize: str = "rank",
@@ -32,7 +35,13 @@ class ADEPTCallback(TrainerCallback):
         importance = UnitImportance(model, self.probe_batches, mode=self.mode, normalize=self.normalize,
                                     autocast_dtype=dtype)
         self.decoupled = DecoupledLR(optimizer, importance, every=self.every, floor=self.floor,
-                                     last_step=state.max_steps or None)
+                                     last_step=state.max_steps or None, hooks=False)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.decoupled.step_begin()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.decoupled.step_end()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         """Adds the mean multiplier, the recompute count and every unit's current rate to the

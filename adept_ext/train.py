@@ -33,6 +33,7 @@ from .methods import Context, create, method_names
 from .methods.adept import explicit_layers
 from .methods.base import REGISTRY
 from .models import adapter, load_model
+from .optim import GroupedAdamW
 from .placement import PLACEMENTS
 from .report import plot_loss_curves
 from .rundir import CHECKPOINT, InputError, RunError, atomic_dir, atomic_write, check_out, prepare_out
@@ -361,8 +362,10 @@ def train_steps(model, method, setup, optimizer, scheduler, batches, cfg, device
 
 
 def optimizer_for(method, setup, cfg):
-    """AdamW over the method's param groups with warmup + cosine, and the method's step hooks."""
-    optimizer = torch.optim.AdamW(setup.groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    """AdamW over the method's param groups (`GroupedAdamW`: AdamW's arithmetic, every group in
+    one multi-tensor pass, so ADEPT's per-unit groups cost no extra launches) with warmup +
+    cosine, and the method's step hooks."""
+    optimizer = GroupedAdamW(setup.groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
     method.attach(optimizer)
     return optimizer, scheduler

@@ -38,3 +38,37 @@ def test_recompute_follows_the_trainers_precision(tmp_path):
     Trainer(model=model, args=args, train_dataset=rows, optimizers=(torch.optim.AdamW(param_groups(model, 1e-3)), None),
             callbacks=[callback]).train()
     assert callback.decoupled.importance.autocast_dtype == torch.bfloat16 and callback.decoupled.recomputes == 1
+
+
+def test_rates_are_applied_by_the_trainers_step_events_not_optimizer_hooks(tmp_path):
+    """During each optimizer step every unit's group holds the scheduled lr times its multiplier,
+    set by the callback's Trainer events (no hooks on the optimizer), and restored after it."""
+    model = tiny_model("llama", layers=3)
+    expand_layers(model, [1])
+    rows = [{k: v[i] for k, v in batch.items()} for batch in padded_batches(n_batches=1) for i in range(3)]
+    seen = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.append([g["lr"] for g in self.param_groups])
+            return super().step(closure)
+
+    optimizer = Recording(param_groups(model, 1e-3))
+    callback = ADEPTCallback(padded_batches(n_batches=1, seed=5), every=1)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=3, report_to=[],
+                             learning_rate=1e-3, lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    multipliers = []
+    trainer = Trainer(model=model, args=args, train_dataset=rows, optimizers=(optimizer, None), callbacks=[callback])
+    real_begin = callback.on_pre_optimizer_step
+
+    def begin(*a, **kw):
+        multipliers.append(list(callback.decoupled.multipliers))
+        return real_begin(*a, **kw)
+
+    callback.on_pre_optimizer_step = begin
+    trainer.train()
+    assert callback.decoupled._handles == [] and len(seen) == 3 and callback.decoupled.steps == 3
+    for lrs, m in zip(seen, multipliers):
+        assert lrs == [1e-3 * x for x in m]
+    assert all(g["lr"] == 1e-3 for g in optimizer.param_groups)  # restored after the last step

@@ -1,5 +1,6 @@
 """The main job end to end on a tiny real model with the SmolLM2 tokenizer and real text."""
 import json
+import re
 
 import pytest
 import torch
@@ -290,6 +291,19 @@ def test_memory_estimate_counts_only_what_trains(workspace):
     _check_memory(cfg, model, trainable=sum(p.numel() for p in model.parameters()))
     with pytest.raises(RunError, match=r"optimizer [0-9.]+, activations .* train fewer parameters"):
         _check_memory(cfg, model, trainable=10**12)
+
+    def estimate(part, **kw):
+        with pytest.raises(RunError) as e:
+            _check_memory(**kw)
+        return float(re.search(part + r" ([0-9.]+)", str(e.value)).group(1))
+
+    huge = options(workspace, "memory", batch_size=10**6)
+    fp32 = estimate("activations", cfg=huge, model=model)
+    assert estimate("activations", cfg=huge, model=model, bf16=True) == pytest.approx(fp32 / 2, rel=1e-2)
+    assert "lower --batch-size" in str(pytest.raises(RunError, _check_memory, huge, model).value)
+    whole = estimate("optimizer", cfg=cfg, model=model, trainable=10**12)  # 12 bytes per trainable parameter
+    assert whole == pytest.approx(10**12 * 12 / 2**30, rel=1e-2)
+    assert estimate("optimizer", cfg=cfg, model=model, trainable=10**12, shards=4) == pytest.approx(whole / 4, rel=1e-2)
 
 
 @pytest.mark.parametrize("name", ["domain_aware", "plasticity", "spread"])

@@ -523,6 +523,7 @@ def bench_lr(args, device):
     import copy
 
     from adept_ext.lr import DecoupledLR, param_groups
+    from adept_ext.optim import GroupedAdamW
     from adept_ext.report import plot_unit_rates
     from adept_ext.units import UnitImportance
 
@@ -533,10 +534,14 @@ def bench_lr(args, device):
     plain_model = copy.deepcopy(model).train()
     plain_opt = torch.optim.AdamW([p for p in plain_model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
     ours_model = copy.deepcopy(model).train()
+    # The same per-unit groups with GroupedAdamW (what the runners use): one multi-tensor pass for every group.
+    grouped_model = copy.deepcopy(model).train()
     del model
     ours_opt = torch.optim.AdamW(param_groups(ours_model, 1e-4, weight_decay=0.01))
+    grouped_opt = GroupedAdamW(param_groups(grouped_model, 1e-4, weight_decay=0.01))
     importance = UnitImportance(ours_model, probe)
     decoupled = DecoupledLR(ours_opt, importance, every=10**9, autocast_dtype=autocast)  # no recompute in the steps
+    DecoupledLR(grouped_opt, UnitImportance(grouped_model, probe), every=10**9, autocast_dtype=autocast)
 
     def step(m, opt, batch):
         opt.zero_grad(set_to_none=True)
@@ -545,9 +550,10 @@ def bench_lr(args, device):
         loss.backward()
         opt.step()
 
-    times = {"plain": [], "decoupled": []}
-    for i, batch in enumerate(train_batches):  # interleaved, so that machine noise hits both alike
-        for name, m, opt in (("plain", plain_model, plain_opt), ("decoupled", ours_model, ours_opt)):
+    times = {"plain": [], "decoupled": [], "grouped": []}
+    for i, batch in enumerate(train_batches):  # interleaved, so that machine noise hits all alike
+        for name, m, opt in (("plain", plain_model, plain_opt), ("decoupled", ours_model, ours_opt),
+                             ("grouped", grouped_model, grouped_opt)):
             sync(device)
             start = time.perf_counter()
             step(m, opt, batch)
@@ -555,7 +561,10 @@ def bench_lr(args, device):
             if i >= 2:  # warm-up
                 times[name].append(time.perf_counter() - start)
     plain_s, ours_s = statistics.median(times["plain"]), statistics.median(times["decoupled"])
-    del plain_model, plain_opt
+    grouped_s = statistics.median(times["grouped"])
+    grouped_equal = all(torch.equal(a, b) for a, b in zip(ours_model.parameters(), grouped_model.parameters()))
+    assert grouped_equal, "GroupedAdamW and AdamW trained different weights"
+    del plain_model, plain_opt, grouped_model, grouped_opt
 
     repeats = 1 if args.quick else 3
     fused_recompute = median_time(lambda: importance.raw_scores(), device, repeats, 1)
@@ -568,7 +577,9 @@ def bench_lr(args, device):
     results = {
         "model": description, "expanded_layers": ours_model.config.adept["expanded_layers"], "units": len(mult),
         "autocast": str(autocast).replace("torch.", "") if autocast else None,
-        "plain_step_s": plain_s, "decoupled_step_s": ours_s, "step_overhead": ours_s / plain_s - 1,
+        "plain_step_s": plain_s, "decoupled_step_s": ours_s, "adamw_groups_step_overhead": ours_s / plain_s - 1,
+        "grouped_step_s": grouped_s, "step_overhead": grouped_s / plain_s - 1,
+        "grouped_weights_equal_adamw": grouped_equal,
         "recompute_fused_s": fused_recompute, "recompute_plain_s": plain_recompute_s,
         "recompute_speedup": plain_recompute_s / fused_recompute,
     }
@@ -595,7 +606,9 @@ def bench_lr(args, device):
 
     print(f"\nDecoupledLR on {description}, expanded at {chosen} ({len(mult)} units), AdamW, device {device}"
           f"{', bf16 autocast' if autocast else ''}")
-    print(f"step: plain {plain_s * 1e3:.0f} ms, with DecoupledLR {ours_s * 1e3:.0f} ms -> overhead {results['step_overhead'] * 100:+.1f}%")
+    print(f"step: one group {plain_s * 1e3:.0f} ms; per-unit groups with DecoupledLR: torch AdamW {ours_s * 1e3:.0f} ms "
+          f"({results['adamw_groups_step_overhead'] * 100:+.1f}%), GroupedAdamW {grouped_s * 1e3:.0f} ms "
+          f"({results['step_overhead'] * 100:+.1f}%; same weights: {grouped_equal})")
     print(f"recompute on the probe batches: fused {fused_recompute:.2f} s, plain per-tensor {plain_recompute_s:.2f} s "
           f"-> speedup {results['recompute_speedup']:.2f}x")
     if autocast:

@@ -156,7 +156,8 @@ def figures_and_goals(bench):
     goals["6_projection"] = all_of(verdicts) if verdicts else None
     lr = get(bench, "lr_large", "lr")
     if lr:
-        fig["lr"] = {k: lr.get(k) for k in ("plain_step_s", "decoupled_step_s", "step_overhead", "recompute_fused_s",
+        fig["lr"] = {k: lr.get(k) for k in ("plain_step_s", "decoupled_step_s", "adamw_groups_step_overhead",
+                                            "grouped_step_s", "step_overhead", "recompute_fused_s",
                                             "recompute_fused_autocast_s", "recompute_plain_autocast_s",
                                             "recompute_autocast_speedup_vs_fp32")}
         speedup = lr.get("recompute_autocast_speedup_vs_fp32")
