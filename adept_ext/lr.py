@@ -30,9 +30,12 @@ class DecoupledLR:
     `UnitImportance` on the probe batches. Until the first recompute the copies take the
     scores of their source layers' units (a fresh copy scores exactly 0). `mean_multiplier`
     reports the realised mean of m_U, to compare methods at equal mean learning rate.
-    `autocast_dtype`: the precision of the scores' recomputes (see `UnitImportance`; pass the
-    training's autocast dtype; torch.float32: no autocast); None (default): the importance's own
-    setting (whose default is no autocast, fp32).
+    `autocast_dtype`: the precision of the scores' recomputes (see `UnitImportance`). "auto"
+    (default): what the training uses — a forward pre-hook on the model notes the autocast dtype
+    of its training-mode forwards, and each recompute runs under the last one noted (a training
+    without autocast, or none seen yet: the importance's own setting, whose default is fp32).
+    torch.bfloat16 / torch.float16: that autocast; torch.float32: no autocast; None: the
+    importance's own setting.
 
     `hooks=True`: the multipliers are applied by step pre/post hooks of `optimizer`. With an
     optimizer wrapper whose step does not run the torch optimizer's hooks in one call (DeepSpeed,
@@ -46,14 +49,15 @@ class DecoupledLR:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, importance: UnitImportance, every: int = 100,
-                 floor: float = 0.1, autocast_dtype=None, hooks: bool = True, last_step: Optional[int] = None):
+                 floor: float = 0.1, autocast_dtype="auto", hooks: bool = True, last_step: Optional[int] = None):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not 0 <= floor <= 2:
             raise ValueError(f"floor must be in [0, 2], got {floor}")
         self.optimizer, self.importance, self.every, self.floor = optimizer, importance, every, floor
         self.last_step = last_step
-        self.autocast_dtype = check_autocast_dtype(autocast_dtype)
+        follow = isinstance(autocast_dtype, str) and autocast_dtype == "auto"
+        self.autocast_dtype = None if follow else check_autocast_dtype(autocast_dtype)
         by_unit = {g.get("adept_unit"): i for i, g in enumerate(optimizer.param_groups) if g.get("adept_unit")}
         names = [u.name for u in importance.units]
         missing = [n for n in names if n not in by_unit]
@@ -68,6 +72,16 @@ class DecoupledLR:
         self._saved: Optional[List[float]] = None
         self._handles = [optimizer.register_step_pre_hook(lambda *_: self.step_begin()),
                          optimizer.register_step_post_hook(lambda *_: self.step_end())] if hooks else []
+        self.training_autocast_dtype = None  # "auto": the autocast dtype of the last training forward
+        if follow:
+            device_type = next(importance.model.parameters()).device.type
+            self._handles.append(importance.model.register_forward_pre_hook(
+                lambda module, args: self._note_autocast(module, device_type)))
+
+    def _note_autocast(self, module, device_type: str):
+        if module.training:  # the importance's own probe forwards run in eval mode
+            self.training_autocast_dtype = (torch.get_autocast_dtype(device_type)
+                                            if torch.is_autocast_enabled(device_type) else None)
 
     @property
     def multipliers(self) -> List[float]:
@@ -92,7 +106,8 @@ class DecoupledLR:
         return step % self.every == 0 and (self.last_step is None or step < self.last_step)
 
     def recompute(self):
-        self.scores = self.importance.compute(autocast_dtype=self.autocast_dtype)
+        dtype = self.autocast_dtype if self.autocast_dtype is not None else self.training_autocast_dtype
+        self.scores = self.importance.compute(autocast_dtype=dtype)
         self.recomputes += 1
 
     def restore(self):

@@ -68,7 +68,8 @@ def test_rates_are_applied_by_the_trainers_step_events_not_optimizer_hooks(tmp_p
 
     callback.on_pre_optimizer_step = begin
     trainer.train()
-    assert callback.decoupled._handles == [] and len(seen) == 3 and callback.decoupled.steps == 3
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert len(seen) == 3 and callback.decoupled.steps == 3
     for lrs, m in zip(seen, multipliers):
         assert lrs == [1e-3 * x for x in m]
     assert all(g["lr"] == 1e-3 for g in optimizer.param_groups)  # restored after the last step

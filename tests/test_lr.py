@@ -139,6 +139,32 @@ def test_recompute_in_the_given_autocast_dtype():
         DecoupledLR(opt, imp, autocast_dtype=torch.int8)
 
 
+def test_auto_recomputes_in_the_precision_the_training_forward_used():
+    """The default "auto": each recompute runs under the autocast of the last training forward."""
+    model = tiny_model("qwen3", layers=4)
+    expand_layers(model, [0, 2])
+    opt = torch.optim.AdamW(param_groups(model, 1e-3))
+    dec = DecoupledLR(opt, UnitImportance(model, padded_batches(n_batches=1)), every=1)
+    seen = []
+    handle = model.model.layers[1].mlp.up_proj.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    batch = padded_batches(n_batches=1, seed=3)[0]
+    try:
+        for autocast, expected in ((torch.bfloat16, torch.bfloat16), (None, torch.float32)):
+            model.train()
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = model(**batch).loss
+            seen.clear()
+            loss.backward()
+            opt.step()  # step_end recomputes (every=1) on the probe batch
+            assert seen == [expected] and dec.training_autocast_dtype == autocast
+    finally:
+        handle.remove()
+    assert dec.recomputes == 2
+    dec.remove()
+    assert not model._forward_pre_hooks  # remove() detaches the observer too
+
+
 def test_a_step_that_raises_does_not_leave_or_compound_the_multipliers():
     model, opt, dec = setup(lr=1e-2, every=100)
     batch = padded_batches(n_batches=1)[0]
