@@ -10,9 +10,12 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="adept-ext-te
 import adept_ext
 
 GPU_PRESENT = torch.cuda.is_available()
-CUDA_KERNELS = adept_ext.cuda_available()
 NOT_COMPILED = ("a GPU is present but adept_ext was built without its CUDA kernels "
                 "(adept_ext.cuda_available() is False): rebuild with ADEPT_EXT_CUDA=1")
+try:
+    CUDA_KERNELS = adept_ext.cuda_available()
+except RuntimeError as e:  # compiled for other GPU architectures than the one present: skip, and say why
+    CUDA_KERNELS, NOT_COMPILED = False, f"the CUDA kernels cannot run on this GPU: {e}"
 
 if GPU_PRESENT and not CUDA_KERNELS:
     DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skip(reason=NOT_COMPILED))]

@@ -124,6 +124,7 @@ def _projection_sharded_worker(rank, world, init_file, result_file, hsdp):
         reloaded.project_(again)
         torch.save({"grads": [g.full_tensor() for g in grads], "reloaded": [g.full_tensor() for g in again],
                     "storage": state["storage"]}, f"{result_file}.{rank}")
+        dist.barrier()  # neither rank tears its mesh's gloo groups down while the other still uses them
     finally:
         dist.destroy_process_group()
 

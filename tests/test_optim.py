@@ -6,16 +6,18 @@ from adept_ext.expand import expand_layers
 from adept_ext.lr import DecoupledLR, param_groups
 from adept_ext.optim import GroupedAdamW
 from adept_ext.units import UnitImportance
+from conftest import cuda_only
 from tiny_models import padded_batches, tiny_model
 
 
-def _groups(dtype, seed=0):
+def _groups(dtype, seed=0, device="cpu"):
     """Odd shapes, an empty tensor, several groups with their own lr and weight decay, one
     parameter without a gradient and one group of another dtype."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(7,), (3, 5), (0,), (33, 2), (1,), (4, 4, 3)]
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
-    other = torch.nn.Parameter(torch.randn(9, generator=gen).to(torch.float32 if dtype != torch.float32 else torch.bfloat16))
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in shapes]
+    other = torch.nn.Parameter(torch.randn(9, generator=gen).to(device, torch.float32 if dtype != torch.float32
+                                                               else torch.bfloat16))
     groups = [{"params": params[:2], "lr": 1e-2, "weight_decay": 0.1},
               {"params": params[2:4], "lr": 3e-3, "weight_decay": 0.0},
               {"params": params[4:], "lr": 5e-2},
@@ -31,13 +33,13 @@ def _set_grads(groups, step):
     gen = torch.Generator().manual_seed(100 + step)
     for g in groups:
         for i, p in enumerate(g["params"]):
-            p.grad = None if (g is groups[2] and i == 0) else torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad = None if (g is groups[2] and i == 0) else torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("foreach", [None, True])
-def test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, foreach):
-    ours_groups = _groups(dtype)
+def test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, foreach, device="cpu"):
+    ours_groups = _groups(dtype, device=device)
     ref_groups = _copy(ours_groups)
     ours = GroupedAdamW(ours_groups, lr=1e-3, weight_decay=0.05)
     ref = torch.optim.AdamW(ref_groups, lr=1e-3, weight_decay=0.05, foreach=foreach)
@@ -49,7 +51,7 @@ def test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, foreach):
             opt.step()
     for a, b in zip(ours.param_groups, ref.param_groups):
         for p, q in zip(a["params"], b["params"]):
-            if foreach is None and p.dtype == torch.float16:  # AdamW's for-loop path rounds fp16 its own way
+            if foreach is None and device == "cpu" and p.dtype == torch.float16:  # CPU for-loop AdamW: own fp16 rounding
                 torch.testing.assert_close(p, q, rtol=2e-3, atol=2e-3)
                 continue
             assert torch.equal(p, q)
@@ -57,6 +59,13 @@ def test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, foreach):
                 if q in ref.state:
                     assert torch.equal(ours.state[p][key], ref.state[q][key])
     assert ours.param_groups[2]["params"][0] not in ours.state  # never had a gradient: untouched, like AdamW
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bit_identical_to_torch_adamw_on_cuda(dtype):
+    """On a GPU torch's AdamW defaults to its multi-tensor path; GroupedAdamW matches it bit for bit."""
+    test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, None, device="cuda")
 
 
 def test_state_dict_loads_into_and_from_torch_adamw():

@@ -129,6 +129,22 @@ def test_conflict_correct_low_precision_matches_reference(device, dtype):
     assert (flat(a) - ref).abs().max() <= 2 * torch.finfo(dtype).eps * ref.abs().max()
 
 
+@pytest.mark.parametrize("conflict", [False, True])
+def test_conflict_correct_mixed_dtype_lists_exact(device, conflict):
+    """Each list mixes float32, bfloat16 and float16 tensors (on views x[1:]), exact values: every
+    tensor of g_new is updated in its own dtype and none is dropped."""
+    b = views(EXACT_SHAPES, device, torch.float32, 7, 1)
+    a = views(EXACT_SHAPES, device, torch.float32, 5, 1)
+    b = [x.to(GDTYPES[i % 3]) for i, x in enumerate(b)]
+    a = [(-2 * y.float() if conflict else x).to(GDTYPES[(i + 1) % 3]) for i, (x, y) in enumerate(zip(a, b))]
+    dtypes = [x.dtype for x in a]
+    want, coef = reference.conflict_correct(a, b, lam=3.0, eps=1e-6)
+    stats = conflict_correct_(a, b, lam=3.0, eps=1e-6)
+    assert stats[3].item() == coef == (-2.0 if conflict else 0.0)
+    assert [x.dtype for x in a] == dtypes
+    assert torch.equal(flat(a), torch.cat([w.reshape(-1) for w in want]))
+
+
 def test_all_empty_gradients(device):
     shapes = [(0,), (0, 3), (0,)]
     basis = [torch.zeros(4, *s, device=device) for s in shapes]

@@ -180,6 +180,27 @@ def test_cuda_graph_capture_and_replay():
     torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-3)
 
 
+@cuda_only
+def test_torch_compile_reduce_overhead_replays_a_cuda_graph():
+    """Under torch.compile(mode="reduce-overhead") (inductor's CUDA graphs) the op is captured and
+    replayed: later calls read the tensors' current values."""
+    params, grads = make_pairs([70_001, 3, 40], "cuda", torch.float32, torch.bfloat16)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def sums(ps, gs):
+        return taylor_importance(ps, gs) * 1.0
+
+    for _ in range(3):  # warm-up, recording, then replays
+        got = sums(params, grads).clone()
+    for g in grads:
+        g.mul_(2)
+    again = sums(params, grads).clone()
+    torch.cuda.synchronize()
+    want = reference.taylor_importance(params, grads).cpu()
+    torch.testing.assert_close(got.double().cpu(), want / 2, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(again.double().cpu(), want, rtol=1e-5, atol=1e-3)
+
+
 def test_bit_identical_repeats_and_thread_counts(device):
     params, grads = make_pairs([1_000_003, 77, 250_000], device, torch.bfloat16, torch.float32)
     first = taylor_importance(params, grads)
