@@ -74,12 +74,11 @@ class DecoupledLR:
                          optimizer.register_step_post_hook(lambda *_: self.step_end())] if hooks else []
         self.training_autocast_dtype = None  # "auto": the autocast dtype of the last training forward
         if follow:
-            device_type = next(importance.model.parameters()).device.type
-            self._handles.append(importance.model.register_forward_pre_hook(
-                lambda module, args: self._note_autocast(module, device_type)))
+            self._handles.append(importance.model.register_forward_pre_hook(self._note_autocast))
 
-    def _note_autocast(self, module, device_type: str):
+    def _note_autocast(self, module, args):
         if module.training:  # the importance's own probe forwards run in eval mode
+            device_type = next(module.parameters()).device.type  # where the model is now
             self.training_autocast_dtype = (torch.get_autocast_dtype(device_type)
                                             if torch.is_autocast_enabled(device_type) else None)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from .rundir import InputError
 
@@ -157,9 +158,9 @@ def resolve_checkpoint(name_or_dir) -> Path:
 def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
     """(model, tokenizer) from a local checkpoint directory or an embedded model name, offline.
 
-    Raises FileNotFoundError for an unknown name or missing directory and ValueError for a
-    config.json that cannot be read or an unsupported architecture (checked before the weights
-    are read).
+    Raises FileNotFoundError for an unknown name or missing directory and InputError (a
+    ValueError) for a config.json that cannot be read or an unsupported architecture (checked
+    before the weights are read), and for weights or a tokenizer that cannot be loaded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -171,8 +172,13 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise InputError(f"unsupported architecture {config.model_type!r} in {path}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, SafetensorError) as e:  # missing or corrupt weights, no usable tokenizer
+        raise InputError(f"{path} cannot be loaded as a Hugging Face causal LM with its tokenizer: "
+                         f"{' '.join(str(e).split())[:300] or type(e).__name__}") from e
+    model = model.to(device)
     if str(name_or_dir) in EMBEDDED_MODELS:  # also for a cache converted before the name was set
         _name_embedded(model.config, str(name_or_dir))
     adapter(model)

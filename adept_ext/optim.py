@@ -13,8 +13,9 @@ kernels, each tensor with its group's learning rate and weight decay as a per-te
 (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", Alg. 2; torch.optim.AdamW's
 arithmetic, step for step, so the result is bit-identical to it — tested.) The group learning
 rates are read at each step, so schedulers and `DecoupledLR`'s multipliers work as with AdamW.
-Every group must share betas and eps; amsgrad, maximize, capturable and differentiable modes
-are not offered (a clear error, never a silent change of arithmetic).
+Every group must share betas and eps; amsgrad, maximize, capturable, differentiable and fused
+modes, Adam's L2 decay and complex parameters are not offered (a clear error, also when loading
+a state dict, never a silent change of arithmetic).
 """
 from typing import Callable, List, Optional
 
@@ -32,23 +33,18 @@ class GroupedAdamW(torch.optim.AdamW):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         try:
-            self._check_groups()
+            _check_group(self.param_groups[-1], len(self.param_groups) - 1, self.param_groups[0])
         except ValueError:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
             raise
 
-    def _check_groups(self):
-        first = self.param_groups[0]
-        for i, group in enumerate(self.param_groups):
-            for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
-                if group.get(flag):
-                    raise ValueError(f"GroupedAdamW: param group {i} sets {flag}=True, which it does not implement; "
-                                     "use torch.optim.AdamW")
-            if tuple(group["betas"]) != tuple(first["betas"]) or group["eps"] != first["eps"]:
-                raise ValueError(f"GroupedAdamW: param group {i} has betas {group['betas']} / eps {group['eps']}, "
-                                 f"group 0 {first['betas']} / {first['eps']}: every group must share them")
-            if isinstance(group["lr"], torch.Tensor):
-                raise ValueError(f"GroupedAdamW: param group {i} has a tensor lr; give a float")
+    def load_state_dict(self, state_dict):
+        """AdamW's state dict (of this class or of torch.optim.AdamW); its groups are checked
+        first, so one with settings GroupedAdamW does not implement is refused unloaded."""
+        groups = state_dict["param_groups"]
+        for i, group in enumerate(groups):
+            _check_group(group, i, groups[0], params_known=False)
+        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -87,16 +83,36 @@ class GroupedAdamW(torch.optim.AdamW):
         return loss
 
 
+def _check_group(group, i: int, first, params_known: bool = True):
+    """ValueError for a param group GroupedAdamW cannot step as AdamW does."""
+    for flag in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+        if group.get(flag):
+            raise ValueError(f"GroupedAdamW: param group {i} sets {flag}=True, which it does not implement; "
+                             "use torch.optim.AdamW")
+    if group.get("decoupled_weight_decay") is False:
+        raise ValueError(f"GroupedAdamW: param group {i} is Adam's (L2 weight decay), not AdamW's")
+    if tuple(group["betas"]) != tuple(first["betas"]) or group["eps"] != first["eps"]:
+        raise ValueError(f"GroupedAdamW: param group {i} has betas {group['betas']} / eps {group['eps']}, "
+                         f"group 0 {first['betas']} / {first['eps']}: every group must share them")
+    if isinstance(group["lr"], torch.Tensor):
+        raise ValueError(f"GroupedAdamW: param group {i} has a tensor lr; give a float")
+    if params_known and any(torch.is_complex(p) for p in group["params"]):
+        raise ValueError(f"GroupedAdamW: param group {i} has complex parameters; use torch.optim.AdamW")
+
+
 def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, decays, beta1, beta2, eps):
     """One AdamW step of tensors of one device and dtype, in torch.optim.AdamW's order of
     operations (torch/optim/adam.py, `_multi_tensor_adam`), with per-tensor lr and decay."""
-    torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)  # CPU step counters, as AdamW keeps them
+    if steps[0].is_cpu:  # where AdamW keeps them: one CPU scalar for the whole list, as AdamW adds it
+        torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
+    else:
+        torch._foreach_add_(steps, 1)
     if any(d != 0 for d in decays):
         torch._foreach_mul_(params, [1 - lr * d for lr, d in zip(lrs, decays)])
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    counts = [float(t) for t in steps]  # CPU tensors: no device sync
+    counts = [float(t) for t in steps]  # on the CPU (where AdamW keeps them): no device sync
     step_sizes = [(lr / (1 - beta1 ** n)) * -1 for lr, n in zip(lrs, counts)]
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, [(1 - beta2 ** n) ** 0.5 for n in counts])

@@ -207,6 +207,8 @@ def rank_zero_first(device: Optional[torch.device] = None):
     that cache); a plain block in one process."""
     if rank() != 0:
         barrier(device)
-    yield
-    if rank() == 0:
-        barrier(device)
+    try:
+        yield
+    finally:  # also when rank 0's block raises: the others then run it and meet the same error
+        if rank() == 0:
+            barrier(device)

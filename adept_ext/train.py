@@ -19,6 +19,7 @@ import random
 import resource
 import shutil
 import time
+import types
 import typing
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -134,7 +135,7 @@ def _check_types(cls, overrides: Dict):
     hints = typing.get_type_hints(cls)
     for name, value in overrides.items():
         want = hints[name]
-        allowed = typing.get_args(want) if typing.get_origin(want) is typing.Union else (want,)
+        allowed = typing.get_args(want) if typing.get_origin(want) in (typing.Union, types.UnionType) else (want,)
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not any(value is None if a is type(None) else
                    (numeric and a in (int, float) and (a is float or isinstance(value, int)))
@@ -388,7 +389,8 @@ def read_checkpoint(out: Path) -> Dict:
     number of processes: which micro-batches each rank takes, and a sharded run's shards, follow
     the world size, so resuming on another one would not continue the same run."""
     checkpoint = torch.load(out / CHECKPOINT, weights_only=False)
-    saved, world = checkpoint.get("world_size", 1), parallel.world_size()
+    world = parallel.world_size()
+    saved = checkpoint.get("world_size", world)  # checkpoints from before the count was recorded: not checked
     if saved != world:
         raise RunError(f"--resume: the run in {out} was checkpointed by {saved} process(es) and this is {world}: "
                        f"resume it with the same number of processes ({saved})")

@@ -91,8 +91,22 @@ def test_unsupported_settings_are_clear_errors():
     assert len(opt.param_groups) == 1  # the refused group is not kept
     with pytest.raises(ValueError, match="(?i)tensor"):
         GroupedAdamW([p], lr=torch.tensor(1e-3))
+    with pytest.raises(ValueError, match="complex parameters"):
+        GroupedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
     with pytest.raises(ValueError, match="has a tensor lr"):
         GroupedAdamW([p]).add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": torch.tensor(1e-3)})
+
+
+@pytest.mark.parametrize("other", [lambda ps: torch.optim.AdamW(ps, amsgrad=True), lambda ps: torch.optim.Adam(ps)])
+def test_a_state_dict_it_cannot_step_as_adamw_is_refused_unloaded(other):
+    p = torch.nn.Parameter(torch.ones(3))
+    source = other([p])
+    p.grad = torch.ones(3)
+    source.step()
+    ours = GroupedAdamW([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(ValueError, match="amsgrad=True|Adam's"):
+        ours.load_state_dict(source.state_dict())
+    assert not ours.state and not ours.param_groups[0]["amsgrad"]
 
 
 def test_decoupled_rates_ride_on_it_as_on_adamw():

@@ -374,3 +374,15 @@ def test_cli_probe_reads_a_corpus_folder_through_datasets_with_the_in_memory_blo
     train, _ = data.split_blocks(data.token_blocks(data.load_texts(str(workspace / "general")), tokenizer, 32), 0.1, 0)
     expected = layer_importance(model, data.batches(data.first_blocks(train, 3), 2), progress=False)
     assert saved["scores"] == pytest.approx(expected.scores, rel=1e-6, abs=1e-9)
+
+
+def test_a_model_folder_without_a_usable_tokenizer_is_one_error_line(workspace, tmp_path, capsys):
+    """A config and weights but no tokenizer: transformers' ValueError becomes one line, before
+    anything is written."""
+    model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    model.save_pretrained(tmp_path / "no-tokenizer")
+    out = tmp_path / "o"
+    assert main(["run", "--model", str(tmp_path / "no-tokenizer"), "--out", str(out), "--no-progress"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' weight-loading bar
+    assert last.startswith("adept-ext: error:") and "cannot be loaded as a Hugging Face causal LM" in last
+    assert "tokenizer" in last and not out.exists()
