@@ -199,7 +199,7 @@ def resolve_config(args):
 
 
 def _probe_or_expand(cfg, command, progress):
-    from .data import corpus_blocks, split_indices
+    from .data import corpus_blocks, split_views
     from .expand import expand_layers
     from .models import load_model
     from .probe import layer_importance
@@ -209,13 +209,12 @@ def _probe_or_expand(cfg, command, progress):
     check_out(cfg, command)
     try:
         model, tokenizer = load_model(cfg.model, device=_device(cfg))
-        general = corpus_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg))
-        if len(general) < 2:
-            raise InputError(f"the general corpus is shorter than two blocks of {cfg.block_len} tokens")
+        train, _ = split_views(corpus_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg)), cfg.seed,
+                               "the general corpus")
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     out = prepare_out(cfg, command)
-    probe = general.batches(split_indices(len(general), 0.1, cfg.seed)[0][:cfg.probe_blocks], cfg.batch_size)
+    probe = list(train.first(cfg.probe_blocks).batches(cfg.batch_size))
     scores = layer_importance(model, probe, progress=progress)
     chosen = scores.select(min(cfg.k, len(scores.scores)))
     scores.to_json(out / "layer_importance.json", selected=chosen)

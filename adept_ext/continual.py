@@ -27,7 +27,7 @@ from . import data, parallel
 from .methods import Context, create
 from .models import load_model
 from .report import plot_matrix, plot_series
-from .tasks import answer_scores, general_blocks, load_tasks, split
+from .tasks import answer_scores, general_blocks, load_tasks
 from .rundir import CHECKPOINT, InputError, RunError, atomic_dir, atomic_write, check_out, prepare_out
 from .train import (TrainOptions, _check_memory, _device, _peak_memory_mb, _rng_state, _set_rng_state, _use_bf16,
                     data_workers, evaluate, load_training_state, optimizer_for, options_from, read_checkpoint,
@@ -142,9 +142,11 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     try:
         model, tokenizer = load_model(cfg.model, device=device)
         method.check(model)
+        workers = data_workers(cfg)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
-            tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed, data_workers(cfg))
-            g_train, g_held = split(general_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg)), cfg.seed)
+            tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed, workers)
+            general = general_blocks(cfg.general, tokenizer, cfg.block_len, workers)
+            g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     _check_memory(cfg, model, bf16)

@@ -197,6 +197,7 @@ class TensorBlocks:
 
     def __init__(self, blocks: Dict[str, torch.Tensor]):
         self.blocks = blocks
+        self.block_len = int(blocks["input_ids"].shape[1])
 
     def __len__(self) -> int:
         return int(self.blocks["input_ids"].shape[0])
@@ -255,6 +256,16 @@ class BlockSet:
     def batches(self, batch_size: int) -> "LazyBatches":
         """Consecutive batches of `batch_size` blocks, each read when it is asked for."""
         return LazyBatches(self, np.arange(len(self)), batch_size)
+
+
+def split_views(blocks, seed: int, what: str) -> Tuple[BlockSet, BlockSet]:
+    """(train, held-out) views of `blocks` (PackedBlocks or TensorBlocks): the seeded 10 % split
+    of `split_indices`. InputError naming `what` (e.g. "the general corpus") when it has fewer
+    than two blocks, so nothing could be held out."""
+    if len(blocks) < 2:
+        raise InputError(f"{what} is shorter than two blocks of {blocks.block_len} tokens: nothing to hold out")
+    train, held = split_indices(len(blocks), 0.1, seed)
+    return BlockSet(blocks, train), BlockSet(blocks, held)
 
 
 def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bool = True) -> Dict[str, torch.Tensor]:

@@ -35,7 +35,8 @@ class ADEPTCallback(TrainerCallback):
         importance = UnitImportance(model, self.probe_batches, mode=self.mode, normalize=self.normalize,
                                     autocast_dtype=dtype)
         self.decoupled = DecoupledLR(optimizer, importance, every=self.every, floor=self.floor,
-                                     last_step=state.max_steps or None, hooks=False)
+                                     last_step=state.max_steps or None, hooks=False,
+                                     autocast_dtype=None)  # the importance's, from args (accelerate wraps forward)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.decoupled.step_begin()

@@ -56,7 +56,7 @@ class DecoupledLR:
             raise ValueError(f"floor must be in [0, 2], got {floor}")
         self.optimizer, self.importance, self.every, self.floor = optimizer, importance, every, floor
         self.last_step = last_step
-        follow = isinstance(autocast_dtype, str) and autocast_dtype == "auto"
+        follow = autocast_dtype == "auto"
         self.autocast_dtype = None if follow else check_autocast_dtype(autocast_dtype)
         by_unit = {g.get("adept_unit"): i for i, g in enumerate(optimizer.param_groups) if g.get("adept_unit")}
         names = [u.name for u in importance.units]

@@ -112,12 +112,6 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
             "labels": input_ids.masked_fill(~labelled, -100)}
 
 
-def split(blocks, seed: int) -> Tuple[data.BlockSet, data.BlockSet]:
-    """(train, held-out) views of `blocks`: the seeded 10 % split of `data.split_indices`."""
-    train, held = data.split_indices(len(blocks), 0.1, seed)
-    return data.BlockSet(blocks, train), data.BlockSet(blocks, held)
-
-
 def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> Task:
     """The task named or stored at `source` (see the module docstring): a text task's file, folder
     or saved dataset is tokenised through Hugging Face datasets by `workers` processes, cached on
@@ -139,9 +133,7 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
         blocks = data.TensorBlocks(instruction_blocks(examples, tokenizer, block_len))
     else:
         blocks = data.corpus_blocks(source, tokenizer, block_len, workers)
-        if len(blocks) < 2:
-            raise InputError(f"task {name!r} is shorter than two blocks of {block_len} tokens: nothing to hold out")
-    return Task(name, kind, *split(blocks, seed))
+    return Task(name, kind, *data.split_views(blocks, seed, f"task {name!r}"))
 
 
 def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> List[Task]:

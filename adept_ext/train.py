@@ -249,18 +249,15 @@ class Corpora:
         workers = data_workers(cfg)
         general, domain = (data.corpus_blocks(source, tokenizer, cfg.block_len, workers)
                            for source in (cfg.general, cfg.domain))
-        for name, blocks in (("general", general), ("domain", domain)):
-            if len(blocks) < 2:
-                raise RunError(f"the {name} corpus is shorter than two blocks of {cfg.block_len} tokens")
-        g_train, g_held = data.split_indices(len(general), 0.1, cfg.seed)
-        d_train, d_held = data.split_indices(len(domain), 0.1, cfg.seed)
+        g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
+        d_train, d_held = data.split_views(domain, cfg.seed, "the domain corpus")
         b = cfg.batch_size
-        self.general_probe = general.batches(g_train[:cfg.probe_blocks], b)
-        self.general_context = general.batches(g_train[:cfg.diagnosis_queries], b)  # diagnosis
-        self.general_eval = general.batches(g_held[:cfg.eval_blocks], b)
-        self.domain_eval = domain.batches(d_held[:cfg.eval_blocks], b)
-        self.domain_train = data.LazyBatches(domain, d_train, b)
-        self.domain_probe = domain.batches(d_train[:cfg.probe_blocks], b)  # placements
+        self.general_probe = list(g_train.first(cfg.probe_blocks).batches(b))
+        self.general_context = list(g_train.first(cfg.diagnosis_queries).batches(b))  # diagnosis
+        self.general_eval = list(g_held.first(cfg.eval_blocks).batches(b))
+        self.domain_eval = list(d_held.first(cfg.eval_blocks).batches(b))
+        self.domain_train = d_train.batches(b)
+        self.domain_probe = list(d_train.first(cfg.probe_blocks).batches(b))  # placements
 
     def _streamed(self, cfg, tokenizer):
         from .large_corpus import BlockStream, StreamBatches
