@@ -80,13 +80,20 @@ def lowprec_ok(got, hidden, weight, targets, rows=slice(None)):
     return err <= 2 * err_torch + 1e-4, (err, err_torch)
 
 
+# Vocabularies of 45 (not a multiple of 8: the CUDA kernel reads logits one by one, and logit 43
+# lies in the CPU kernel's vector tail) and 48 (16-byte rows: the CUDA kernel reads 16-byte packs
+# and logit 43 shares its pack with finite logits).
+VOCABS_BOTH_PATHS = [45, 48]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_infinite_logits(device, dtype):
+@pytest.mark.parametrize("v", VOCABS_BOTH_PATHS)
+def test_infinite_logits(device, dtype, v):
     # Logits that overflow the GEMM's dtype are ±inf. A -inf logit adds exp(-inf) = 0 to the sum;
     # a +inf one makes the loss +inf (not NaN, as the CUDA kernel once gave); a -inf target logit
     # makes it +inf too; a +inf target logit is inf - inf = NaN. CPU and CUDA give the same.
     big = 256.0 if dtype == torch.float16 else 2.0**65  # big² overflows the dtype, big does not
-    h, v, neg, pos = 8, 45, 5, 43  # pos lies in the vector tail of the CPU kernel
+    h, neg, pos = 8, 5, 43
     a = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])  # hidden feature 0 (× big): logit `neg` is -inf where 1
     b = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0])  # hidden feature 1 (× big): logit `pos` is +inf where 1
     hidden = torch.cat([(a * big)[:, None], (b * big)[:, None], torch.randn(5, h - 2)], 1)
@@ -106,8 +113,21 @@ def test_infinite_logits(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_realistic_vocabulary_max_error(device, dtype):
-    hidden, weight, targets = make(16, 64, 32768 + 17, device, dtype, ignore_every=7)
+@pytest.mark.parametrize("v", VOCABS_BOTH_PATHS)
+def test_nan_logit_gives_nan(device, dtype, v):
+    # One NaN weight row makes that logit NaN in every row: every loss is NaN (as plain PyTorch),
+    # never a finite number that skipped it; ignored rows stay 0.
+    hidden, weight, targets = make(6, 8, v, device, dtype)
+    weight[41] = float("nan")
+    targets[2] = -100
+    got = linear_cross_entropy(hidden, weight, targets).cpu()
+    assert torch.isnan(got[[0, 1, 3, 4, 5]]).all() and got[2] == 0, got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [32768 + 17, 32768])  # one by one, and 16-byte packs on CUDA
+def test_realistic_vocabulary_max_error(device, dtype, v):
+    hidden, weight, targets = make(16, 64, v, device, dtype, ignore_every=7)
     got = linear_cross_entropy(hidden, weight, targets, chunk_rows=5)
     ok, info = lowprec_ok(got, hidden, weight, targets)
     assert ok, info

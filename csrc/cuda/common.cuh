@@ -27,8 +27,8 @@ struct alignas(sizeof(T) * N) Pack {
 
 // Deterministic block-wide reduction of a pair (a, b) with combine(a, b, a2, b2), which merges
 // (a2, b2) into (a, b): a fixed shuffle tree inside each warp, then the warps in a fixed order.
-// (ia, ib) is the identity of combine. The result is valid in thread 0. blockDim.x must be a
-// multiple of 32.
+// (ia, ib) is the identity of combine. The result is valid in thread 0. Every thread must call it;
+// blockDim.x must be a multiple of 32.
 template <typename T, typename Combine>
 __device__ void block_reduce_pair(T& a, T& b, T ia, T ib, Combine combine) {
   __shared__ T sa[kWarp], sb[kWarp];
@@ -49,6 +49,7 @@ __device__ void block_reduce_pair(T& a, T& b, T ia, T ib, Combine combine) {
       combine(a, b, __shfl_down_sync(0xffffffffu, a, off), __shfl_down_sync(0xffffffffu, b, off));
     }
   }
+  __syncthreads();  // sa, sb may be reused by a later call
 }
 
 // Block-wide sums of two values (see block_reduce_pair).

@@ -1,6 +1,6 @@
 // CUDA kernel of linear_cross_entropy: chunked GEMM (at::mm, cuBLAS), then one block per row
-// computing an online (max, sum-of-exp) logsumexp over the vocabulary in float32 with a
-// deterministic block reduction, minus the target logit.
+// computing an online (max, sum-of-exp) logsumexp over the vocabulary in float32 (16-byte loads,
+// one exp per finite logit) with a deterministic block reduction, minus the target logit.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -53,10 +53,38 @@ __device__ __forceinline__ float logsumexp_of(float m, float s) {
   return isnan(s) ? s : (isinf(m) ? m : m + logf(s));
 }
 
+// Adds N logits to the state. When they are all finite and no +inf was seen, the state moves to
+// their max once and each adds one exp (no per-logit branch); otherwise they go one by one.
+template <int N>
+__device__ __forceinline__ void add_logits(float& m, float& s, const float (&x)[N]) {
+  float mx = x[0];
+  bool finite = isfinite(x[0]);
+#pragma unroll
+  for (int e = 1; e < N; ++e) {
+    mx = fmaxf(mx, x[e]);
+    finite = finite && isfinite(x[e]);
+  }
+  if (finite && m != INFINITY) {  // m is -inf (nothing seen) or finite; a NaN s stays NaN
+    if (mx > m) {
+      s *= expf(m - mx);
+      m = mx;
+    }
+#pragma unroll
+    for (int e = 0; e < N; ++e) s += expf(x[e] - m);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) add_logit(m, s, x[e]);
+  }
+}
+
+// One block per row. Rows whose logits start 16-byte aligned (vectorised: the base pointer and
+// V * sizeof(T) both multiples of 16) are read 16 bytes (N logits) per access, a few accesses in
+// flight per thread; other rows one logit at a time.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     row_loss_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets, int64_t v,
-                    int64_t ignore_index, float* __restrict__ loss) {
+                    int64_t ignore_index, bool vectorised, float* __restrict__ loss) {
+  constexpr int N = 16 / sizeof(T);
   const int64_t r = blockIdx.x;
   const int64_t t = targets[r];
   if (t == ignore_index) {
@@ -66,11 +94,31 @@ __global__ void __launch_bounds__(kThreads)
   CUDA_KERNEL_ASSERT(t >= 0 && t < v);
   const T* row = logits + r * v;
   float m = -INFINITY, s = 0.f;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-    add_logit(m, s, to_float(row[j]));
+  int64_t j = threadIdx.x;
+  if (vectorised) {
+    const auto* packs = reinterpret_cast<const Pack<T, N>*>(row);
+#pragma unroll 4
+    for (int64_t k = threadIdx.x; k < v / N; k += blockDim.x) {
+      const Pack<T, N> p = packs[k];
+      float x[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) x[e] = to_float(p.v[e]);
+      add_logits(m, s, x);
+    }
+    j += v / N * N;  // the tail of fewer than N logits
   }
+  for (; j < v; j += blockDim.x) add_logit(m, s, to_float(row[j]));
   block_reduce_pair(m, s, -INFINITY, 0.f, [](float& m1, float& s1, float m2, float s2) { merge(m1, s1, m2, s2); });
   if (threadIdx.x == 0) loss[r] = logsumexp_of(m, s) - to_float(row[t]);
+}
+
+template <typename T>
+void launch_row_loss(const T* logits, int64_t rows, int64_t v, const int64_t* targets, int64_t ignore_index,
+                     float* loss, cudaStream_t stream) {
+  const bool vectorised = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (v * sizeof(T)) % 16 == 0;
+  row_loss_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, targets, v, ignore_index,
+                                                                       vectorised, loss);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void row_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets, int64_t ignore_index,
@@ -78,25 +126,21 @@ void row_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets, int64
   const auto logits = logits_in.contiguous();
   const int64_t rows = logits.size(0), v = logits.size(1);
   if (rows == 0) return;
+  TORCH_CHECK(rows < (int64_t{1} << 31),
+              "linear_cross_entropy: chunk_rows must be below 2^31 on CUDA (one block per row)");
   auto stream = c10::cuda::getCurrentCUDAStream();
   const auto* t = targets.const_data_ptr<int64_t>();
   float* out = loss.data_ptr<float>();
-  const auto grid = static_cast<unsigned>(rows);
   switch (logits.scalar_type()) {
-    case at::kFloat:
-      row_loss_kernel<<<grid, kThreads, 0, stream>>>(logits.const_data_ptr<float>(), t, v, ignore_index, out);
-      break;
+    case at::kFloat: return launch_row_loss(logits.const_data_ptr<float>(), rows, v, t, ignore_index, out, stream);
     case at::kBFloat16:
-      row_loss_kernel<<<grid, kThreads, 0, stream>>>(
-          reinterpret_cast<const __nv_bfloat16*>(logits.const_data_ptr<at::BFloat16>()), t, v, ignore_index, out);
-      break;
+      return launch_row_loss(reinterpret_cast<const __nv_bfloat16*>(logits.const_data_ptr<at::BFloat16>()), rows, v,
+                             t, ignore_index, out, stream);
     case at::kHalf:
-      row_loss_kernel<<<grid, kThreads, 0, stream>>>(
-          reinterpret_cast<const __half*>(logits.const_data_ptr<at::Half>()), t, v, ignore_index, out);
-      break;
+      return launch_row_loss(reinterpret_cast<const __half*>(logits.const_data_ptr<at::Half>()), rows, v, t,
+                             ignore_index, out, stream);
     default: TORCH_CHECK(false, "linear_cross_entropy: unsupported dtype ", logits.scalar_type());
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor linear_cross_entropy_cuda(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,

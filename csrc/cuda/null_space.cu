@@ -225,6 +225,8 @@ std::vector<int64_t> numels_checked(at::TensorList ts, const char* what) {
 
 at::Tensor null_space_coeffs_cuda(at::TensorList basis, at::TensorList grads) {
   const int64_t k = check_basis_args(basis, grads);
+  TORCH_CHECK(k < (int64_t{1} << 31),
+              "null_space_coeffs: k must be below 2^31 on CUDA (one block per basis row)");
   const c10::cuda::CUDAGuard guard(grads[0].device());
   const auto q = contiguous_list(basis), g = contiguous_list(grads);
   const auto numels = numels_of(g);

@@ -53,6 +53,10 @@ int64_t for_each_launch(const std::vector<at::Tensor>& a, const std::vector<at::
                         const std::vector<int64_t>& numels, int64_t chunk, int64_t numel_multiple, Launch launch) {
   const int64_t n = static_cast<int64_t>(a.size());
   const auto first = chunk_offsets(numels, chunk);
+  for (int64_t i = 0; i < n; ++i) {  // before any launch: an error leaves every tensor as it was
+    TORCH_CHECK(first[i + 1] - first[i] < (int64_t{1} << 31), "adept_ext: tensor ", i,
+                " has too many chunks for one launch");
+  }
   std::vector<bool> done(n, false);
   for (int64_t start = 0; start < n; ++start) {
     if (done[start]) continue;
@@ -70,7 +74,6 @@ int64_t for_each_launch(const std::vector<at::Tensor>& a, const std::vector<at::
       if (done[i] || a[i].scalar_type() != ta || b[i].scalar_type() != tb) continue;
       const int64_t chunks = first[i + 1] - first[i];
       if (meta.n == kListMax || (meta.n > 0 && blocks + chunks >= (int64_t{1} << 31))) flush();
-      TORCH_CHECK(chunks < (int64_t{1} << 31), "adept_ext: tensor ", i, " has too many chunks for one launch");
       const auto pa = reinterpret_cast<uintptr_t>(a[i].const_data_ptr());
       const auto pb = reinterpret_cast<uintptr_t>(b[i].const_data_ptr());
       const int t = meta.n++;
