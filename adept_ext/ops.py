@@ -1,7 +1,7 @@
 """Typed wrappers of the compiled ops: argument checks with clear messages, and the fake
 (meta) implementations that let the ops trace under torch.compile(fullgraph=True)."""
 import functools
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -374,6 +374,13 @@ def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     Not differentiable: the tensors are read as data (detached); the result never requires grad.
     """
     basis, grads, _ = _check_basis("null_space_coeffs", basis, grads, in_place=False)
+    return null_space_coeffs_prechecked(basis, grads)
+
+
+def null_space_coeffs_prechecked(basis: List[torch.Tensor], grads: List[torch.Tensor]) -> torch.Tensor:
+    """`null_space_coeffs` without its per-tensor checks, for lists whose every condition the
+    caller has already checked (projection.GradientMemory checks a direction once per call; the
+    checks cost more host time over hundreds of tensors than the kernels take on a GPU at mid sizes)."""
     return _call_as_data(torch.ops.adept_ext.null_space_coeffs.default, _detached(basis), _detached(grads))
 
 
@@ -388,6 +395,11 @@ def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         raise ValueError(f"null_space_apply_: coeffs must be a float64 tensor of shape ({k},)")
     if coeffs.device != grads[0].device:
         raise ValueError(f"null_space_apply_: coeffs is on {coeffs.device}, the tensors on {grads[0].device}")
+    null_space_apply_prechecked_(basis, grads, coeffs)
+
+
+def null_space_apply_prechecked_(basis: List[torch.Tensor], grads: List[torch.Tensor], coeffs: torch.Tensor) -> None:
+    """`null_space_apply_` without its per-tensor checks (see `null_space_coeffs_prechecked`)."""
     _call_as_data(torch.ops.adept_ext.null_space_apply_.default, _detached(basis), _detached(grads), coeffs)
 
 

@@ -23,7 +23,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .ops import BASIS_DTYPES, null_space_apply_, null_space_coeffs, taylor_importance
+from .ops import (BASIS_DTYPES, SUPPORTED_DTYPES, _check_device_arch, null_space_apply_prechecked_,
+                  null_space_coeffs_prechecked, taylor_importance)
 
 log = logging.getLogger(__name__)
 POLICIES = ("error", "svd")
@@ -90,6 +91,11 @@ class _Memory:
         self._sets = _reduction_sets(params, process_group)
         self.storage = [torch.zeros((max_directions, *_local(p).shape), dtype=dtype, device=_local(p).device)
                         for p in params]
+        # What a direction tensor must be, per parameter (read on every call: slicing the storage's
+        # shapes each time would cost more than the rest of the check)
+        self._direction_specs = [(s.shape[1:], s.device) for s in self.storage]
+        for device in {s.device for s in self.storage}:
+            _check_device_arch(device)  # before any kernel: the fused ops below skip their own checks
         self.k = 0
 
     @property
@@ -114,7 +120,8 @@ class _Memory:
         return total
 
     def _coeffs(self, tensors) -> torch.Tensor:
-        return self._reduced(null_space_coeffs, tensors)
+        """Qᵀx for a list x that `_check_directions` passed (or that the memory made itself)."""
+        return self._reduced(null_space_coeffs_prechecked, tensors)
 
     def _norm(self, tensors) -> float:
         """‖x‖ of the whole list (all shards)."""
@@ -122,6 +129,9 @@ class _Memory:
 
     def projection_coeffs(self, tensors, check_finite: bool = True) -> torch.Tensor:
         """y with proj(x) = Σ_j y_j·basis_j for the list x (float64 [k])."""
+        return self._projection_coeffs(self._check_directions(tensors), check_finite)
+
+    def _projection_coeffs(self, tensors, check_finite: bool) -> torch.Tensor:
         c = self._coeffs(tensors)
         if check_finite and not bool(torch.isfinite(c).all()):
             raise FloatingPointError("non-finite gradient: projection not applied")
@@ -134,22 +144,29 @@ class _Memory:
         """x ← x − proj(x) in place over the list (the memory's span removed); returns the
         coefficients y of proj(x). check_finite (one host sync) raises FloatingPointError, before
         anything is written, when the gradients hold NaN/Inf."""
-        grads = self._check_directions(grads)
-        y = self.projection_coeffs(grads, check_finite)
+        grads = self._check_directions(grads, in_place=True)
+        y = self._projection_coeffs(grads, check_finite)
         if self.k:
-            null_space_apply_(self.basis, grads, y)
+            null_space_apply_prechecked_(self.basis, grads, y)
         return y
 
-    def _check_directions(self, direction) -> List[torch.Tensor]:
+    def _check_directions(self, direction, in_place: bool = False) -> List[torch.Tensor]:
+        """The local tensors of a direction, checked in one pass against the storage (shape,
+        device, dtype; contiguous when `in_place`): everything the fused ops need, so that they
+        run without checking each tensor again."""
         direction = [_local(t) for t in direction]
         if len(direction) != len(self.params):
             raise ValueError(f"a direction needs {len(self.params)} tensors (one per parameter), got {len(direction)}")
-        for i, (t, s) in enumerate(zip(direction, self.storage)):
-            if t is None or t.shape != s.shape[1:]:
-                raise ValueError(f"direction tensor {i} has shape {None if t is None else tuple(t.shape)}, "
-                                 f"expected {tuple(s.shape[1:])}")
-            if t.device != s.device:
-                raise ValueError(f"direction tensor {i} is on {t.device}, expected {s.device}")
+        for i, (t, (shape, device)) in enumerate(zip(direction, self._direction_specs)):
+            if not isinstance(t, torch.Tensor) or t.shape != shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"direction tensor {i} has shape {got}, expected {tuple(shape)}")
+            if t.device != device:
+                raise ValueError(f"direction tensor {i} is on {t.device}, expected {device}")
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"direction tensor {i} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+            if in_place and not t.is_contiguous():
+                raise ValueError(f"direction tensor {i} must be contiguous (it is updated in place)")
         return direction
 
     @staticmethod
@@ -250,7 +267,7 @@ class GradientMemory(_Memory):
             r = [t.detach().float().clone().contiguous() for t in d]
             norm0 = self._norm(r)
             for _ in range(2 if self.k else 0):
-                null_space_apply_(self.basis, r, self._coeffs(r))
+                null_space_apply_prechecked_(self.basis, r, self._coeffs(r))
             norm = self._norm(r)
             report["residual_norms"].append(norm)
             if norm0 == 0 or norm <= self.tol * norm0:
@@ -379,10 +396,10 @@ class NullSpaceProjector:
     def _after(self, optimizer, args, kwargs):
         if not self.memory.k:
             return
-        params = self._locals()
-        torch._foreach_sub_(self._old, params)  # θ_old − θ_new = −Δ
-        y = self.memory.projection_coeffs(self._old)  # proj(−Δ) = Σ_j y_j·basis_j
-        null_space_apply_(self.memory.basis, params, -y)  # θ ← θ + proj(−Δ) = θ − proj(Δ)
+        params = self.memory._check_directions(self._locals(), in_place=True)
+        torch._foreach_sub_(self._old, params)  # θ_old − θ_new = −Δ (clones of params: checked too)
+        y = self.memory._projection_coeffs(self._old, check_finite=True)  # proj(−Δ) = Σ_j y_j·basis_j
+        null_space_apply_prechecked_(self.memory.basis, params, -y)  # θ ← θ + proj(−Δ) = θ − proj(Δ)
 
     def remove(self):
         for h in self._handles:

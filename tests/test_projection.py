@@ -427,6 +427,39 @@ def test_projector_errors():
         opt.step()
 
 
+@pytest.mark.parametrize("memory_cls", [GradientMemory, GramMemory])
+def test_project_checks_every_tensor_before_writing(device, memory_cls):
+    # project_ checks its list once (the fused ops then run without their own per-tensor checks):
+    # a bad dtype, a non-contiguous tensor, a wrong shape or a missing tensor at any index is a
+    # clear error, raised before any tensor is written; a good list is projected as before
+    params = [torch.nn.Parameter(t) for t in rand_list(SHAPES, device)]
+    mem = memory_cls(params, max_directions=3)
+    mem.add([torch.randn_like(p) for p in params])
+    last = len(SHAPES) - 1
+    cases = [
+        (TypeError, "direction tensor 1 has dtype torch.float64", lambda g: g.__setitem__(1, g[1].double())),
+        (ValueError, f"direction tensor {last} must be contiguous",
+         lambda g: g.__setitem__(last, g[last].transpose(0, 1).contiguous().transpose(0, 1))),
+        (ValueError, "direction tensor 2 has shape", lambda g: g.__setitem__(2, g[2].reshape(-1)[:-1])),
+        (ValueError, "direction tensor 0 has shape NoneType", lambda g: g.__setitem__(0, None)),
+    ]
+    for exc, match, spoil in cases:
+        grads = rand_list(SHAPES, device)
+        spoil(grads)
+        before = [None if g is None else g.clone() for g in grads]
+        with pytest.raises(exc, match=match):
+            mem.project_(grads)
+        assert all(b is None or torch.equal(g, b) for g, b in zip(grads, before))
+    grads = rand_list(SHAPES, device)
+    expected = reference.null_space_project(mem.basis, grads, mem.projection_coeffs(grads)) \
+        if memory_cls is GradientMemory else None
+    mem.project_(grads)
+    if expected is not None:
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g.double().cpu(), e, rtol=1e-5, atol=1e-5)
+    assert mem.orthogonality_error(grads) < 1e-5
+
+
 def test_raw_ops_are_not_differentiable(device):
     basis, grads = orthonormal_basis(SHAPES, 3, device), [g.requires_grad_() for g in rand_list(SHAPES, device)]
     c = torch.ops.adept_ext.null_space_coeffs.default(basis, grads)

@@ -674,7 +674,7 @@ def bench_projection(args, device):
     def torch_cached(q, tensors):
         g = torch.cat([t.reshape(-1) for t in tensors])
         g -= q.T @ (q @ g)
-        for t, part in zip(tensors, g.split(sizes)):
+        for t, part in zip(tensors, g.split([t.numel() for t in tensors])):
             t.copy_(part.view_as(t))
 
     for k in ks:
@@ -719,6 +719,8 @@ def bench_projection(args, device):
             row["nominal_bandwidth_fraction"] = row["fused_gbps"] / nominal_gbps(device)
         results["by_k"][str(k)] = row
 
+    results["fixed_cost"] = projection_fixed_cost(len(shapes), device, torch_cached, repeats)
+
     def cell(r, key, fmt, scale=1.0):
         return format(r[key] * scale, fmt) if key in r else format("-", ">" + fmt.split(".")[0])
 
@@ -732,7 +734,35 @@ def bench_projection(args, device):
               f"{r['speedup_vs_torch_cached']:9.2f} {r['fused_gbps']:6.1f} {r['bandwidth_fraction']:8.2f} "
               f"{cell(r, 'extra_peak_mb_eoupct_style', '10.0f')} {r['extra_peak_mb_torch_cached']:10.0f} "
               f"{r['extra_peak_mb_fused']:9.1f}")
+    fixed = results["fixed_cost"]
+    print(f"fixed cost per call ({fixed['tensors']} one-element tensors, k {fixed['k']}): cached torch "
+          f"{fixed['torch_cached_s'] * 1e6:.0f} us, adept_ext {fixed['fused_s'] * 1e6:.0f} us")
     return results
+
+
+def projection_fixed_cost(n_tensors, device, torch_cached, repeats):
+    """Seconds per projection call on n one-element tensors (k = 8): the host and launch cost
+    that a call pays whatever the tensors' size (checks, dispatch, launches, the finiteness check's
+    sync), for GradientMemory.project_ and for the cached-basis torch form."""
+    from adept_ext.projection import GradientMemory
+
+    k = 8
+    params = [torch.nn.Parameter(torch.zeros(1, device=device)) for _ in range(n_tensors)]
+    grads = [torch.randn(1, device=device) for _ in range(n_tensors)]
+    memory = GradientMemory(params, max_directions=k)
+    for j, basis_row in enumerate(random_basis_rows(n_tensors, k, device)):
+        for s, part in zip(memory.storage, basis_row.split(1)):
+            s[j].copy_(part)
+    memory.k = k
+    q = torch.stack(list(random_basis_rows(n_tensors, k, device)))
+    calls = 200
+
+    def many(fn):
+        return lambda: [fn() for _ in range(calls)]
+
+    return {"tensors": n_tensors, "k": k,
+            "torch_cached_s": median_time(many(lambda: torch_cached(q, grads)), device, repeats, 1) / calls,
+            "fused_s": median_time(many(lambda: memory.project_(grads)), device, repeats, 1) / calls}
 
 
 # ---------------------------------------------------------------- linear_ce
