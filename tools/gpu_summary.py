@@ -148,6 +148,8 @@ def figures_and_goals(bench):
             keys = ("fused_s", "torch_cached_s", "speedup_vs_torch_cached", "fused_gbps", "nominal_bandwidth_fraction",
                     "extra_peak_mb_fused")
             fig[f"projection_{size}"] = {k: {m: r.get(m) for m in keys} for k, r in proj["by_k"].items()}
+            if "fixed_cost" in proj:  # the per-call host and launch cost, whatever the size
+                fig[f"projection_{size}"]["fixed_cost"] = proj["fixed_cost"]
             if size == "small":
                 verdicts += [r["speedup_vs_torch_cached"] >= 1.0 for r in proj["by_k"].values()]
             else:
