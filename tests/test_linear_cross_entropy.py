@@ -81,9 +81,10 @@ def lowprec_ok(got, hidden, weight, targets, rows=slice(None)):
 
 
 # Vocabularies of 45 (not a multiple of 8: the CUDA kernel reads logits one by one, and logit 43
-# lies in the CPU kernel's vector tail) and 48 (16-byte rows: the CUDA kernel reads 16-byte packs
-# and logit 43 shares its pack with finite logits).
-VOCABS_BOTH_PATHS = [45, 48]
+# lies in the CPU kernel's vector tail), 48 (16-byte rows: the CUDA kernel reads 16-byte packs and
+# logit 43 shares its pack with finite logits) and 4096 (each of the CUDA kernel's 256 threads reads
+# two packs: the thread that met the +inf or NaN at 41-43 then reads a pack of finite logits).
+VOCABS_BOTH_PATHS = [45, 48, 4096]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
