@@ -198,7 +198,10 @@ def linear_cross_entropy(
     ``hidden @ weight.T`` would); the logsumexp is float32.
     Differentiable with respect to hidden and weight (see `linear_cross_entropy_backward`: the
     backward recomputes one chunk of logits at a time, so it never holds [N, V] either).
-    Raises ValueError/TypeError on bad shapes, dtypes, devices and out-of-range targets.
+    Raises ValueError/TypeError on bad shapes, dtypes, devices and out-of-range targets. Under
+    torch.compile the target range is not checked here (the check reads the targets on the host,
+    which would break the graph): an out-of-range target then stops the kernel itself, as a
+    RuntimeError on the CPU and a device-side assert on CUDA, which leaves the CUDA context unusable.
     """
     name = "linear_cross_entropy"
     for label, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
