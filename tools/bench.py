@@ -650,9 +650,21 @@ def random_basis_rows(n, k, device, seed=0):
         yield torch.randn(n, device=device, generator=gen).div_(math.sqrt(n))
 
 
-def bench_projection(args, device):
+def memory_of_random_rows(params, k, device):
+    """A GradientMemory of `params` whose k directions are `random_basis_rows` (the rows of the flat
+    [k, n] basis, split per parameter)."""
     from adept_ext.projection import GradientMemory
 
+    sizes = [p.numel() for p in params]
+    memory = GradientMemory(params, max_directions=k)
+    for j, basis_row in enumerate(random_basis_rows(sum(sizes), k, device)):
+        for s, part in zip(memory.storage, basis_row.split(sizes)):
+            s[j].copy_(part.view_as(s[j]))
+    memory.k = k
+    return memory
+
+
+def bench_projection(args, device):
     large = args.size == "large"
     shapes = llama1b_layer_shapes(2 if args.quick else 8) if large else projection_shapes()
     sizes = [math.prod(s) for s in shapes]
@@ -696,11 +708,7 @@ def bench_projection(args, device):
         expected = [g.clone() for g in grads]
         torch_cached(q, expected)
         del q
-        memory = GradientMemory(params, max_directions=k)
-        for j, basis_row in enumerate(random_basis_rows(n, k, device)):  # the same rows, per tensor
-            for s, part in zip(memory.storage, basis_row.split(sizes)):
-                s[j].copy_(part.view_as(s[j]))
-        memory.k = k
+        memory = memory_of_random_rows(params, k, device)  # the same rows, per tensor
         check = [g.clone() for g in grads]
         memory.project_(check)
         torch.testing.assert_close(torch.cat([c.reshape(-1) for c in check]),
@@ -744,16 +752,10 @@ def projection_fixed_cost(n_tensors, device, torch_cached, repeats):
     """Seconds per projection call on n one-element tensors (k = 8): the host and launch cost
     that a call pays whatever the tensors' size (checks, dispatch, launches, the finiteness check's
     sync), for GradientMemory.project_ and for the cached-basis torch form."""
-    from adept_ext.projection import GradientMemory
-
     k = 8
     params = [torch.nn.Parameter(torch.zeros(1, device=device)) for _ in range(n_tensors)]
     grads = [torch.randn(1, device=device) for _ in range(n_tensors)]
-    memory = GradientMemory(params, max_directions=k)
-    for j, basis_row in enumerate(random_basis_rows(n_tensors, k, device)):
-        for s, part in zip(memory.storage, basis_row.split(1)):
-            s[j].copy_(part)
-    memory.k = k
+    memory = memory_of_random_rows(params, k, device)
     q = torch.stack(list(random_basis_rows(n_tensors, k, device)))
     calls = 200
 
