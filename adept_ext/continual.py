@@ -1,4 +1,4 @@
-"""The task-sequence runner (SPEC §5): a model learns task 1, then task 2, … with one method from
+"""The task-sequence runner (docs/methods.md §5): a model learns task 1, then task 2, … with one method from
 the registry, and is scored on every task and on held-out general text after each.
 
 Scores: a[t][i] is the score on task i after training through task t (row 0: the base model);

@@ -342,7 +342,7 @@ def batches(blocks: Dict[str, torch.Tensor], batch_size: int, limit: int = None)
 
 def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: int = 40, batch_size: int = 8,
                        seed: int = 0) -> List[Dict[str, torch.Tensor]]:
-    """Composite inputs s_1 ⊕ s_2 for LayerTracer's diagnostics (SPEC §3): few-shot topic
+    """Composite inputs s_1 ⊕ s_2 for LayerTracer's diagnostics (docs/methods.md §3): few-shot topic
     classification over BBC News. s_1 (context) is `shots` labelled examples, each
     "Article: <first `words` words>\nTopic: <category>\n\n" with the categories in turn; s_2
     (query) is "Article: <first `words` words of another article>\nTopic:", whose next token is
@@ -385,7 +385,7 @@ def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: in
 
 
 def context_query_task(batches_: Sequence[Dict[str, torch.Tensor]], context_len: int) -> List[Dict[str, torch.Tensor]]:
-    """Composite inputs for LayerTracer's diagnostics from any corpus (SPEC §3): in every block of
+    """Composite inputs for LayerTracer's diagnostics from any corpus (docs/methods.md §3): in every block of
     `batches_` the first `context_len` tokens are the context s_1, the rest the query s_2, and
     every query position with a next token is scored. Raises ValueError when no block is longer
     than the context."""

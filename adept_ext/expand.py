@@ -1,4 +1,4 @@
-"""ADEPT Stage 1: selective layer expansion with function-preserving init (SPEC §1.2).
+"""ADEPT Stage 1: selective layer expansion with function-preserving init (docs/methods.md §1.2).
 
 For each chosen layer l a deep copy is inserted right after it; in the copy the attention
 output (`o_proj`) and MLP output (`down_proj`) projections — and their biases — are zeroed, so

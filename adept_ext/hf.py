@@ -1,4 +1,4 @@
-"""transformers.Trainer integration of ADEPT's decoupled learning rates (SPEC §1.3)."""
+"""transformers.Trainer integration of ADEPT's decoupled learning rates (docs/methods.md §1.3)."""
 import torch
 from transformers import TrainerCallback
 

@@ -1,4 +1,4 @@
-"""LayerTracer diagnostics (SPEC §3, arXiv 2605.11416 §3): where a model integrates task
+"""LayerTracer diagnostics (docs/methods.md §3, arXiv 2605.11416 §3): where a model integrates task
 evidence (logit lens, task particle) and which layers are fragile (layer-wise sensitivity), and
 the "train shallow, freeze deep" allocation derived from them.
 
@@ -128,7 +128,7 @@ def _argmax_rows(rows, weight, chunk_rows):
 def logit_lens(model, batches: Iterable[Dict[str, torch.Tensor]], threshold: float = 0.5,
                ratio_threshold: float = 0.0, eps: float = 1e-6, chunk_rows: int = 256,
                progress: bool = True) -> LensProfile:
-    """Logit lens (SPEC §3): P(i) = softmax(W_U · norm(h_{i+1})) for every decoder layer i, with
+    """Logit lens (docs/methods.md §3): P(i) = softmax(W_U · norm(h_{i+1})) for every decoder layer i, with
     t* = argmax of the final distribution and P_t(i) = P(i)[t*] at the scored positions
     (batch["score_mask"], else every attended position). Every layer's output is captured
     before the final norm and normed once, so the last layer's P equals the model's output
@@ -214,7 +214,7 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
                       context_mask: Optional[Sequence[torch.Tensor]] = None, eps: float = 1e-6,
                       chunk_rows: int = 64, max_tokens_per_call: int = 1024,
                       progress: bool = True) -> SensitivityProfile:
-    """Layer-wise sensitivity (SPEC §3): inputs are composite, context s_1 ⊕ query s_2
+    """Layer-wise sensitivity (docs/methods.md §3): inputs are composite, context s_1 ⊕ query s_2
     (`context_mask[i]`, else batch["context_mask"]: bool [B, T], True on s_1). Perturbation at
     layer i: in that layer only, the query positions cannot attend to the context. JS_i =
     JS(P, Q(i)) between the clean and the perturbed final distributions at the scored query
@@ -291,7 +291,7 @@ def boundary_from(diagnosis: Diagnosis, sensitive_fraction: float = 0.25) -> int
 
 def allocate(model_or_layers, strategy: str = "freeze_deep", diagnosis: Optional[Diagnosis] = None,
              boundary: Optional[int] = None, sensitive_fraction: float = 0.25) -> List[int]:
-    """The trainable layers under LayerTracer's allocation (SPEC §3): `freeze_deep` trains the
+    """The trainable layers under LayerTracer's allocation (docs/methods.md §3): `freeze_deep` trains the
     shallow block [0, b), `freeze_shallow` (the paper's reverse arm) the deep block [b, L). The
     boundary b is `boundary` if given, else `boundary_from(diagnosis, sensitive_fraction)`, else
     L // 2. `model_or_layers`: a model or its number of decoder layers. Raises ValueError for an

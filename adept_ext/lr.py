@@ -1,4 +1,4 @@
-"""ADEPT Stage 2: decoupled per-unit learning rates (SPEC §1.3).
+"""ADEPT Stage 2: decoupled per-unit learning rates (docs/methods.md §1.3).
 
 Every unit U (one parameter tensor of an expanded layer) gets its own rate
 lr_U = max(2·(1 − Î_U), floor) · lr, where lr is whatever the optimizer's group holds at that
@@ -24,7 +24,7 @@ def param_groups(model, lr: float, weight_decay: float = 0.0, no_decay_kinds=("n
 
 class DecoupledLR:
     """Per-unit learning-rate multipliers m_U = max(2·(1 − Î_U), floor), recomputed every
-    `every` optimizer steps (SPEC §1.3).
+    `every` optimizer steps (docs/methods.md §1.3).
 
     optimizer: built from `param_groups(model, ...)` (one group per unit); importance: a
     `UnitImportance` on the probe batches. Until the first recompute the copies take the

@@ -114,7 +114,7 @@ def taylor_importance(
     out: Optional[torch.Tensor] = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
-    """Fused first-order Taylor importance sums, one pass over all tensors (ADEPT, SPEC §1.3).
+    """Fused first-order Taylor importance sums, one pass over all tensors (ADEPT, docs/methods.md §1.3).
 
     Returns float32 [len(params), 2]: row i = [Σ_j θ_j·g_j, Σ_j |θ_j·g_j|] over the elements
     of params[i] and grads[i]. θ and g must have equal shapes; their dtypes (float32, bfloat16,
@@ -187,7 +187,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     chunk_rows: Optional[int] = None,
 ) -> torch.Tensor:
-    """Per-row cross-entropy of the logits hidden @ weight.T, without materialising them (SPEC §1.1).
+    """Per-row cross-entropy of the logits hidden @ weight.T, without materialising them (docs/methods.md §1.1).
 
     hidden [N, H] and weight [V, H] (float32, bfloat16 or float16, same dtype and device),
     targets [N] int64 in [0, V) or ``ignore_index``. Returns float32 [N]:
@@ -367,7 +367,7 @@ def _check_basis(name: str, basis, grads, in_place: bool):
 
 
 def null_space_coeffs(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """c = Qᵀg over a list of tensors (EoupCT null-space projection, SPEC §2).
+    """c = Qᵀg over a list of tensors (EoupCT null-space projection, docs/methods.md §2).
 
     basis[i] is [k, *grads[i].shape] (float32 or bfloat16): row j is tensor i's slice of basis
     vector j. grads: float32/bfloat16/float16, and the dtypes may differ across the list. Returns
@@ -388,7 +388,7 @@ def null_space_coeffs_prechecked(basis: List[torch.Tensor], grads: List[torch.Te
 
 
 def null_space_apply_(basis: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], coeffs: torch.Tensor) -> None:
-    """In place, grads_i ← grads_i − Σ_j coeffs_j · basis_i[j] (g ← g − Q c, SPEC §2).
+    """In place, grads_i ← grads_i − Σ_j coeffs_j · basis_i[j] (g ← g − Q c, docs/methods.md §2).
     coeffs: float64 [k] on the tensors' device; grads must be contiguous. Not differentiable: the
     tensors are updated as data (as an optimizer step updates parameters, also ones that require
     grad); their version counters are bumped, so a tensor saved for backward and then changed here
@@ -408,7 +408,7 @@ def null_space_apply_prechecked_(basis: List[torch.Tensor], grads: List[torch.Te
 
 def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tensor], lam: float = 1.0,
                       eps: float = 1e-6) -> torch.Tensor:
-    """EoupCT conflict correction (SPEC §2), fused over a list of tensors, in place on g_new:
+    """EoupCT conflict correction (docs/methods.md §2), fused over a list of tensors, in place on g_new:
     with d = ⟨g_new, g_pre⟩, if d < −eps·‖g_new‖·‖g_pre‖ then g_new ← g_new − (d/‖g_pre‖²)·g_pre;
     then g_new ← g_new + lam·g_pre. The branch is decided on the device (no host sync).
     Returns float64 [4]: d, ‖g_pre‖², ‖g_new‖² (before the update) and the removed coefficient.

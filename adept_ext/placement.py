@@ -1,4 +1,4 @@
-"""Where to put ADEPT's k copies (Stage 1, SPEC §1.1–1.2, and this project's extensions).
+"""Where to put ADEPT's k copies (Stage 1, docs/methods.md §1.1–1.2, and this project's extensions).
 
 ADEPT chooses the layers whose bypass raises the *general* loss least: it protects what the
 general corpus needs. Measured on SmolLM2-135M (docs/results/investigation.md), those layers sit

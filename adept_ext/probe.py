@@ -1,4 +1,4 @@
-"""ADEPT Stage 1: layer importance on a general-domain probe corpus (SPEC §1.1).
+"""ADEPT Stage 1: layer importance on a general-domain probe corpus (docs/methods.md §1.1).
 
 I_layer(l) = L̂(l) − L_base, the increase of the mean next-token loss when layer l is bypassed
 (h_{l+1} = h_l). `method="bypass"` computes it exactly for all layers at once: the variant
@@ -306,7 +306,7 @@ def layer_importance(model, batches: Iterable[Dict[str, torch.Tensor]], method: 
     """Score every decoder layer of `model` on probe `batches` (dicts with input_ids and optionally
     attention_mask and labels; -100 labels are not scored).
 
-    bypass: exact Δloss per layer (SPEC §1.1); block_influence: mean 1 − cos(h_l, h_{l+1});
+    bypass: exact Δloss per layer (docs/methods.md §1.1); block_influence: mean 1 − cos(h_l, h_{l+1});
     taylor: first-order estimate of the Δloss. `max_tokens_per_call` bounds the tokens of the
     variant streams that go through one layer call together (memory vs. batching: at least
     one batch's worth; default by the device, `DEFAULT_MAX_TOKENS_PER_CALL`); `chunk_rows` is passed to

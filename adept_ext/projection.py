@@ -1,4 +1,4 @@
-"""Null-space gradient projection (EoupCT, SPEC §2).
+"""Null-space gradient projection (EoupCT, docs/methods.md §2).
 
 A memory holds directions that past tasks and general knowledge depend on; every new update has
 its component inside their span removed. `GradientMemory` keeps an orthonormal basis Q
@@ -231,7 +231,7 @@ class _Memory:
 
 
 class GradientMemory(_Memory):
-    """Orthonormal basis Q of protected directions (SPEC §2, robust form).
+    """Orthonormal basis Q of protected directions (docs/methods.md §2, robust form).
 
     `add(directions)` orthogonalises each direction against Q (Gram–Schmidt applied twice,
     float64 coefficients), drops it if its residual norm is below `tol` × its norm (reported in
@@ -302,7 +302,7 @@ class GradientMemory(_Memory):
 
 
 class GramMemory(_Memory):
-    """Raw directions M with the projection g ← g − M(MᵀM)⁻¹Mᵀg (SPEC §2, Gram form).
+    """Raw directions M with the projection g ← g − M(MᵀM)⁻¹Mᵀg (docs/methods.md §2, Gram form).
 
     MᵀM is formed once per memory change (not per step) and factorised by a float64 Cholesky
     with a ridge of `ridge` × trace(MᵀM)/k. If M is rank-deficient beyond that ridge (an
@@ -354,7 +354,7 @@ class GramMemory(_Memory):
 
 
 class NullSpaceProjector:
-    """Keeps an optimizer's updates out of a memory's span (SPEC §2).
+    """Keeps an optimizer's updates out of a memory's span (docs/methods.md §2).
 
     where="grad": the gradients are projected before `optimizer.step()` (enough for SGD; AdamW's
     per-coordinate scaling and weight decay push the update back out of the null space).

@@ -9,7 +9,7 @@ import torch
 
 
 def taylor_importance(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """First-order Taylor importance sums per tensor (SPEC §1.3), float64 [n, 2]:
+    """First-order Taylor importance sums per tensor (docs/methods.md §1.3), float64 [n, 2]:
     column 0 = Σ_j θ_j·g_j, column 1 = Σ_j |θ_j·g_j|."""
     rows = []
     for p, g in zip(params, grads):
@@ -23,7 +23,7 @@ def taylor_importance(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100) -> torch.Tensor:
     """Per-row cross-entropy of hidden @ weight.T against targets (0 at ignored rows), float64 [N]
-    (SPEC §1.1: the loss of every probe variant). Differentiable: autograd through it in float64
+    (docs/methods.md §1.1: the loss of every probe variant). Differentiable: autograd through it in float64
     is the reference of the op's backward."""
     logits = hidden.double() @ weight.double().T
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
@@ -31,7 +31,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 @torch.no_grad()
 def bypass_layer_losses(model, batches):
-    """Naive definition of ADEPT's probe (SPEC §1.1): L+1 full forwards of the HF model with
+    """Naive definition of ADEPT's probe (docs/methods.md §1.1): L+1 full forwards of the HF model with
     labels, one layer bypassed at a time by a forward hook that returns the layer's input.
     Returns (base loss, [loss with layer l bypassed]), each token-weighted over the batches."""
     layers = model.model.layers
@@ -57,7 +57,7 @@ def bypass_layer_losses(model, batches):
 
 @torch.no_grad()
 def logit_lens_task_probs(model, batch, score_mask):
-    """Naive logit lens (SPEC §3) on one batch: HF hidden states, the final norm on every entry
+    """Naive logit lens (docs/methods.md §3) on one batch: HF hidden states, the final norm on every entry
     but the last (Hugging Face's last entry is already normed), full softmax over the vocabulary.
     Returns the task probabilities P(i)[t*] at the scored positions, float64 [L+1, R]
     (embeddings first), t* = argmax of the model's output distribution."""
@@ -71,7 +71,7 @@ def logit_lens_task_probs(model, batch, score_mask):
 
 @torch.no_grad()
 def context_masked_js(model, batch, context_mask, score_mask):
-    """Naive layer-wise sensitivity (SPEC §3) on one batch: one full forward per layer l in which
+    """Naive layer-wise sensitivity (docs/methods.md §3) on one batch: one full forward per layer l in which
     a pre-hook rebuilds layer l's attention mask so that query positions (attended, not context)
     cannot see context positions. Returns JS(P, Q(l)) in nats at the scored positions, float64
     [L, R] (L+1 forwards, full logits)."""
@@ -107,7 +107,7 @@ def context_masked_js(model, batch, context_mask, score_mask):
 
 
 def null_space_coeffs(basis, grads) -> torch.Tensor:
-    """c = Qᵀg (SPEC §2): basis[i] is [k, *grads[i].shape]; float64 [k]."""
+    """c = Qᵀg (docs/methods.md §2): basis[i] is [k, *grads[i].shape]; float64 [k]."""
     k = basis[0].shape[0]
     c = torch.zeros(k, dtype=torch.float64)
     for q, g in zip(basis, grads):
@@ -116,7 +116,7 @@ def null_space_coeffs(basis, grads) -> torch.Tensor:
 
 
 def null_space_project(basis, grads, coeffs=None):
-    """g − Q c for every tensor, float64 copies (SPEC §2); c = Qᵀg unless given."""
+    """g − Q c for every tensor, float64 copies (docs/methods.md §2); c = Qᵀg unless given."""
     c = null_space_coeffs(basis, grads) if coeffs is None else coeffs.double().cpu()
     k = basis[0].shape[0]
     return [g.detach().double().cpu() - (c @ q.detach().double().cpu().reshape(k, g.numel())).reshape(g.shape)
@@ -124,7 +124,7 @@ def null_space_project(basis, grads, coeffs=None):
 
 
 def conflict_correct(g_new, g_pre, lam: float, eps: float):
-    """SPEC §2 conflict correction on float64 copies: if <g_new, g_pre> < −eps·|g_new|·|g_pre|,
+    """docs/methods.md §2 conflict correction on float64 copies: if <g_new, g_pre> < −eps·|g_new|·|g_pre|,
     g_new ← g_new − (<g_new, g_pre>/|g_pre|²)·g_pre; then g_new + lam·g_pre."""
     a = [t.detach().double().cpu() for t in g_new]
     b = [t.detach().double().cpu() for t in g_pre]

@@ -1,4 +1,4 @@
-"""Tasks of a continual-learning sequence (SPEC §5): a named corpus with a training and a held-out
+"""Tasks of a continual-learning sequence (docs/methods.md §5): a named corpus with a training and a held-out
 split, of one of two kinds —
 
 - `text` (continual pretraining): token blocks; scored by held-out next-token loss, score = −loss;

@@ -1,5 +1,5 @@
 """The main job: continual pretraining of a causal LM on a domain corpus while keeping its
-general ability — ADEPT (SPEC §1) and the baselines it is compared with, on the same data and
+general ability — ADEPT (docs/methods.md §1) and the baselines it is compared with, on the same data and
 token budget. The methods live in `adept_ext.methods` behind one registry; this runner only
 calls their hooks.
 
@@ -275,7 +275,7 @@ class Corpora:
 
 
 def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:
-    """Composite inputs s_1 ⊕ s_2 for LayerTracer (SPEC §3): few-shot BBC News topic
+    """Composite inputs s_1 ⊕ s_2 for LayerTracer (docs/methods.md §3): few-shot BBC News topic
     classification (bbc-topic), or the general probe blocks split in half into context and
     query (context)."""
     if cfg.diagnosis_task == "bbc-topic":

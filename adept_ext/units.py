@@ -1,4 +1,4 @@
-"""ADEPT Stage 2 units and their importance (SPEC §1.3).
+"""ADEPT Stage 2 units and their importance (docs/methods.md §1.3).
 
 Units are the parameter tensors of the expanded layers (q/k/v/o projections and biases,
 gate/up/down projections, input/post-attention norms, q_norm/k_norm). A unit's importance is
@@ -148,7 +148,7 @@ def _sharded_grads(loss, params, every_param) -> List[Optional[torch.Tensor]]:
 
 
 class UnitImportance:
-    """Taylor importance of the units of an expanded model on fixed probe batches (SPEC §1.3).
+    """Taylor importance of the units of an expanded model on fixed probe batches (docs/methods.md §1.3).
 
     `compute()` runs forward/backward on every probe batch with `torch.autograd.grad` (the
     training `.grad` fields and the weights are untouched), accumulates the per-tensor θ⊙g sums

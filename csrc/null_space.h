@@ -46,7 +46,7 @@ inline void check_pair_lists(at::TensorList a, at::TensorList b) {
   }
 }
 
-// The conflict rule of SPEC §2 on the reduced statistics [<g_new, g_pre>, |g_pre|^2, |g_new|^2]:
+// The conflict rule of docs/methods.md §2 on the reduced statistics [<g_new, g_pre>, |g_pre|^2, |g_new|^2]:
 // the coefficient of g_pre removed from g_new (0 when there is no conflict).
 #ifdef __CUDACC__
 __host__ __device__

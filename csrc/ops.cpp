@@ -14,13 +14,13 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(adept_ext, m) {
-  // Per tensor i: [sum_j theta_j * g_j, sum_j |theta_j * g_j|] in float32 (SPEC §1.3).
+  // Per tensor i: [sum_j theta_j * g_j, sum_j |theta_j * g_j|] in float32 (docs/methods.md §1.3).
   m.def("taylor_importance(Tensor[] params, Tensor[] grads) -> Tensor");
   // Same sums written into (accumulate=False) or added onto (accumulate=True) out [n, 2] float32.
   m.def("taylor_importance_out(Tensor[] params, Tensor[] grads, Tensor(a!) out, bool accumulate) -> ()");
   // Per-row cross-entropy of hidden [N, H] @ weight[V, H]^T against targets [N], float32 [N]
-  // (0 at ignore_index rows), computed in row chunks without materialising [N, V] (SPEC §1.1).
-  // Null-space projection (SPEC §2). basis[i]: [k, *grads[i].shape], tensor i's slices of k
+  // (0 at ignore_index rows), computed in row chunks without materialising [N, V] (docs/methods.md §1.1).
+  // Null-space projection (docs/methods.md §2). basis[i]: [k, *grads[i].shape], tensor i's slices of k
   // basis vectors. coeffs = Σ_i basis_i · grads_i, float64 [k] (= Qᵀg);
   m.def("null_space_coeffs(Tensor[] basis, Tensor[] grads) -> Tensor");
   // grads_i -= Σ_j coeffs[j] · basis_i[j], in place (g ← g − Q c).

@@ -1,4 +1,4 @@
-"""ADEPT (arXiv 2510.10071, SPEC §1): Stage 1 probes every decoder layer on the general corpus
+"""ADEPT (arXiv 2510.10071, docs/methods.md §1): Stage 1 probes every decoder layer on the general corpus
 (loss increase when bypassed, §1.1) and duplicates the k least important ones right after their
 sources with function-preserving init, freezing the originals (§1.2); Stage 2 trains the copies
 with per-unit learning rates lr_U = 2·(1 − Î_U)·lr from first-order Taylor importance
@@ -91,7 +91,7 @@ class LayerMethod(Method):
 
 
 class DecoupledRates:
-    """Stage 2 (SPEC §1.3) as a mixin: one param group per unit and `DecoupledLR` on the optimizer."""
+    """Stage 2 (docs/methods.md §1.3) as a mixin: one param group per unit and `DecoupledLR` on the optimizer."""
 
     def groups_for(self, model, ctx: Context, trainable) -> List[Dict]:
         self.importance = UnitImportance(model, ctx.general_probe, normalize=self.cfg.normalize,

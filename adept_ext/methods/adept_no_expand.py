@@ -1,4 +1,4 @@
-"""Ablation of ADEPT (SPEC §1.4): no expansion — the k least important layers themselves are
+"""Ablation of ADEPT (docs/methods.md §1.4): no expansion — the k least important layers themselves are
 trained (everything else frozen) with ADEPT's per-unit rates. The saved model has no
 `config.adept` block (nothing was expanded)."""
 from typing import Dict

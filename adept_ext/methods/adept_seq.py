@@ -1,4 +1,4 @@
-"""ADEPT and LLaMA-Pro over a task sequence (SPEC §1, §5): for every task k new function-preserving
+"""ADEPT and LLaMA-Pro over a task sequence (docs/methods.md §1, §5): for every task k new function-preserving
 copies are inserted — after the k original layers whose bypass raises the general probe loss
 least (`adept_seq`, then trained with ADEPT's per-unit rates among the new copies' units) or
 after LLaMA-Pro's uniformly spaced original layers (`llama_pro_seq`, one learning rate) — and

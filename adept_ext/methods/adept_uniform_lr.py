@@ -1,4 +1,4 @@
-"""Ablation of ADEPT (SPEC §1.4): Stage 1 as ADEPT (the same copies), but every unit of the
+"""Ablation of ADEPT (docs/methods.md §1.4): Stage 1 as ADEPT (the same copies), but every unit of the
 copies trains at the one base learning rate — no Stage 2 decoupled rates."""
 from .adept import ExpandMethod
 from .base import register

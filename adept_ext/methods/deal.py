@@ -1,4 +1,4 @@
-"""DEAL (NeurIPS 2025, arXiv 2509.18942, method section; SPEC §4, docs/methods.md §4): continual
+"""DEAL (NeurIPS 2025, arXiv 2509.18942, method section; docs/methods.md §4, docs/methods.md §4): continual
 LoRA fine-tuning that filters the previous task's LoRA factors Y = X + D (Y = A or B) down to
 their task core X̂ (knowledge retention) and adds the new task's knowledge with a small MLP on
 top (controlled update): Y' = X̂ + MLP(X̂), loss = L_task + λ1‖θ_retain‖_a^a + λ2‖θ_update‖_b^b.

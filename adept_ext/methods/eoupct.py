@@ -1,5 +1,5 @@
 """EoupCT ("Estimating and Orthogonalizing Unknown Pre-training Gradients for Continual
-Fine-tuning", NeurIPS 2026, arXiv 2609.30935, method section; SPEC §2): a frozen teacher (the
+Fine-tuning", NeurIPS 2026, arXiv 2609.30935, method section; docs/methods.md §2): a frozen teacher (the
 model as it was when the current task started), a trainable student (one rank-r LoRA adapter
 kept across the whole sequence, or every parameter), and per optimizer step
 

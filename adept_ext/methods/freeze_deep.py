@@ -1,4 +1,4 @@
-"""LayerTracer's allocation (arXiv 2605.11416, SPEC §3): train the shallow layers [0, b) and
+"""LayerTracer's allocation (arXiv 2605.11416, docs/methods.md §3): train the shallow layers [0, b) and
 freeze the deep ones, with b = half the depth, a number, or `auto` — from a LayerTracer diagnosis
 of the model (task particle and context sensitivity, see `lens.allocate`)."""
 from ..lens import allocate, diagnose

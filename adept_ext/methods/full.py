@@ -1,5 +1,5 @@
 """Full-parameter continual pretraining: every weight trains (the forgetting-prone upper bound on
-domain gain, SPEC §1.4). `seq_full` is the same, task after task (SPEC §5)."""
+domain gain, docs/methods.md §1.4). `seq_full` is the same, task after task (docs/methods.md §5)."""
 from .base import Method, Setup, register, train_only
 
 

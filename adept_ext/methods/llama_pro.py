@@ -1,4 +1,4 @@
-"""LLaMA-Pro (Wu et al., ACL 2024; ADEPT's main baseline, SPEC §1.4): k function-preserving copies
+"""LLaMA-Pro (Wu et al., ACL 2024; ADEPT's main baseline, docs/methods.md §1.4): k function-preserving copies
 spaced uniformly through the depth — after layers round((i+1)·L/k) − 1, i = 0..k−1 — trained at
 one learning rate."""
 from typing import List

@@ -1,7 +1,7 @@
 """LoRA (Hu et al., ICLR 2022) through PEFT: a rank-r adapter (alpha = 2r, no dropout) on every
 attention and MLP projection, the base weights frozen; merged into the weights at the end, so
 the saved model is a plain Hugging Face checkpoint. `seq_lora`: a fresh adapter per task,
-merged after it (SPEC §5)."""
+merged after it (docs/methods.md §5)."""
 from typing import Dict
 
 from .base import Method, MethodError, Setup, register

@@ -1,4 +1,4 @@
-"""O-LoRA (Wang et al., EMNLP 2023 Findings; SPEC §5): a new LoRA (A_t, B_t) per task with the
+"""O-LoRA (Wang et al., EMNLP 2023 Findings; docs/methods.md §5): a new LoRA (A_t, B_t) per task with the
 earlier tasks' LoRA frozen, and an orthogonality penalty between the new subspace and the old
 ones, loss = L_task + λ Σ_{i<t} ‖A_i A_tᵀ‖²_F per adapted projection (A of shape [r, d_in] as
 PEFT stores it; λ = `o_lora_lambda`, default 0.5). The earlier adapters are merged into the

@@ -1,4 +1,4 @@
-"""The per-task oracle (PerTaskFT in DEAL's tables, arXiv 2509.18942; SPEC §5): a fresh rank-r
+"""The per-task oracle (PerTaskFT in DEAL's tables, arXiv 2509.18942; docs/methods.md §5): a fresh rank-r
 PEFT LoRA per task on the unchanged base model, and task i always scored with its own adapter
 (`scoring`), the base model before task i is learned. Nothing is shared between tasks, so there
 is no forgetting (BWT = 0 exactly) and no transfer; it bounds what one model per task reaches on

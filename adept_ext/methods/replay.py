@@ -1,4 +1,4 @@
-"""Experience replay (SPEC §5), the simplest strong continual-learning baseline: while task t
+"""Experience replay (docs/methods.md §5), the simplest strong continual-learning baseline: while task t
 trains, a buffer of the earlier tasks' training examples is mixed into its data — from each
 earlier task max(1, round(f·n_i)) of its n_i training blocks, f = `replay_fraction` (default
 0.02), drawn once per task with the run's seed — on top of `seq_full` (default) or `seq_lora`

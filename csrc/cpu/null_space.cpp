@@ -1,4 +1,4 @@
-// CPU kernels of the null-space projection (SPEC §2): c = Qᵀg and g ← g − Q c over lists of
+// CPU kernels of the null-space projection (docs/methods.md §2): c = Qᵀg and g ← g − Q c over lists of
 // tensors, and the fused conflict correction. One at::parallel_for over (tensor, chunk) work
 // items per pass; float32 vector accumulation inside a chunk, float64 across chunks in a fixed order.
 #include <ATen/Parallel.h>

@@ -1,4 +1,4 @@
-// CUDA kernels of the null-space projection (SPEC §2). Launches run per group of at most
+// CUDA kernels of the null-space projection (docs/methods.md §2). Launches run per group of at most
 // kListMax tensors of one dtype pair (tensor_list.cuh: metadata passed by value, dtypes
 // dispatched on the host, no allocation or copy of metadata, safe under CUDA-graph capture).
 // One block per (tensor, kProjChunk-element chunk) work item; thread x owns the elements
