@@ -1,16 +1,19 @@
 """adept_ext: C++/CUDA kernels and tools for continual pretraining without catastrophic forgetting.
 
+One task with any method in your own loop: `get_method(config)` then `prepare(model, method, ...)`.
 See README.md for the API, docs/methods.md for the methods and docs/design.md for the design.
 """
 import torch  # noqa: F401  (the compiled library links against torch: import it first)
 
 from . import _C  # noqa: F401  (loads the shared object, which registers torch.ops.adept_ext)
 from . import ops, reference  # noqa: F401
-from .units import mean_importance
+from .methods import get_method
+from .methods.task import Task, prepare
 from .ops import check_cuda_device, compiled_cuda_arch_list, linear_cross_entropy, taylor_importance
+from .units import mean_importance
 
-__all__ = ["check_cuda_device", "compiled_cuda_arch_list", "cuda_available", "linear_cross_entropy",
-           "mean_importance", "ops", "reference", "taylor_importance"]
+__all__ = ["Task", "check_cuda_device", "compiled_cuda_arch_list", "cuda_available", "get_method",
+           "linear_cross_entropy", "mean_importance", "ops", "prepare", "reference", "taylor_importance"]
 
 
 def cuda_available() -> bool:

@@ -23,16 +23,18 @@ from dataclasses import fields
 from pathlib import Path
 
 from . import continual
+from .errors import InputError, RunError
 from .methods import method_names
-from .rundir import InputError, RunError, saved_options
 from .train import METHODS, RunConfig, config_from
+from .training import saved_options
 
 COMMON = ("model", "out", "block_len", "batch_size", "seed", "device", "overwrite")
 OPTIONS = {  # the options each command shows and takes; run/train/continual take all of their config's
     "probe": (*COMMON, "general", "k", "probe_blocks"),
     "expand": (*COMMON, "general", "k", "probe_blocks"),
     "eval": (*COMMON, "general", "domain", "eval_blocks"),
-    "diagnose": (*COMMON, "general", "domain", "k", "probe_blocks", "eval_blocks", "diagnosis_task", "diagnosis_queries"),
+    "diagnose": (*COMMON, "general", "domain", "k", "probe_blocks", "eval_blocks", "diagnosis_task",
+                 "diagnosis_queries"),
 }
 CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
                                                    ("run", "train", "probe", "expand", "eval", "diagnose")}}
@@ -203,12 +205,11 @@ def _probe_or_expand(cfg, command, progress):
     from .expand import expand_layers
     from .models import load_model
     from .probe import layer_importance
-    from .rundir import check_out, prepare_out
-    from .train import _device, data_workers
+    from .training import check_out, data_workers, device_for, prepare_out
 
     check_out(cfg, command)
     try:
-        model, tokenizer = load_model(cfg.model, device=_device(cfg))
+        model, tokenizer = load_model(cfg.model, device=device_for(cfg))
         train, _ = split_views(corpus_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg)), cfg.seed,
                                "the general corpus")
     except (FileNotFoundError, InputError) as e:
@@ -225,19 +226,20 @@ def _probe_or_expand(cfg, command, progress):
         trainable = expand_layers(model, chosen)
         model.save_pretrained(out / "model")
         tokenizer.save_pretrained(out / "model")
-        print(f"expanded model ({model.config.num_hidden_layers} layers, {sum(p.numel() for p in trainable) / 1e6:.1f}M "
+        n_trainable = sum(p.numel() for p in trainable)
+        print(f"expanded model ({model.config.num_hidden_layers} layers, {n_trainable / 1e6:.1f}M "
               f"trainable) written to {out / 'model'}")
 
 
 def _load(cfg, command):
     """(model, corpora, output directory) after every input has been checked."""
     from .models import load_model
-    from .rundir import check_out, prepare_out
-    from .train import Corpora, _device
+    from .train import Corpora
+    from .training import check_out, device_for, prepare_out
 
     check_out(cfg, command)
     try:
-        model, tokenizer = load_model(cfg.model, device=_device(cfg))
+        model, tokenizer = load_model(cfg.model, device=device_for(cfg))
         corpora = Corpora(cfg, tokenizer)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
@@ -263,14 +265,16 @@ def _diagnose(cfg, progress):
 
 
 def _evaluate(cfg, progress):
-    from .train import _device, evaluate
+    from .training import device_for, evaluate
 
     model, corpora, out = _load(cfg, "eval")
-    device = _device(cfg)
-    result = {"model": cfg.model, "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
+    device = device_for(cfg)
+    result = {"model": cfg.model,
+              "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
               "domain_loss": evaluate(model, corpora.domain_eval, device, "eval domain", progress)}
     (out / "eval.json").write_text(json.dumps(result, indent=2))
-    print(f"general loss {result['general_loss']:.4f}, domain loss {result['domain_loss']:.4f}; written to {out / 'eval.json'}")
+    print(f"general loss {result['general_loss']:.4f}, domain loss {result['domain_loss']:.4f}; "
+          f"written to {out / 'eval.json'}")
 
 
 def main(argv=None) -> int:

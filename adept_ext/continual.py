@@ -24,14 +24,14 @@ from typing import Dict, List, Optional
 import torch
 
 from . import data, parallel
-from .methods import Context, create
+from .errors import InputError, RunError
+from .methods import create
 from .models import load_model
 from .report import plot_matrix, plot_series
-from .tasks import answer_scores, general_blocks, load_tasks
-from .rundir import CHECKPOINT, InputError, RunError, atomic_dir, atomic_write, check_out, prepare_out
-from .train import (TrainOptions, _check_memory, _device, _peak_memory_mb, _rng_state, _set_rng_state, _use_bf16,
-                    data_workers, evaluate, load_training_state, optimizer_for, options_from, read_checkpoint,
-                    remove_stale_shards, save_sharded_state, shard, train_steps, training_state)
+from .data.tasks import answer_scores, general_blocks, load_tasks
+from .training import (CHECKPOINT, TaskHooks, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
+                       data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
+                       read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16)
 
 RESUME_MODEL = ".resume-model"  # the model after the last finished task, while the sequence runs
 
@@ -126,14 +126,14 @@ def run(cfg: ContinualConfig, progress: bool = True, log=print) -> Dict:
     and rank 0 writes (see `parallel`). Under FSDP2 each task is prepared on the whole model,
     sharded for its training only, and unsharded again (`parallel.unshard_model`) before
     `end_task`, evaluation and saving."""
-    device = _device(cfg)
+    device = device_for(cfg)
     return parallel.run_on_ranks(device, lambda progress_, log_: _run(cfg, device, progress_, log_), progress, log)
 
 
 def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     started = time.time()
     main = parallel.is_main()
-    bf16 = _use_bf16(cfg, device)
+    bf16 = use_bf16(cfg, device)
     out = check_out(cfg, "continual")
     method = create(cfg.method, cfg, sequence=True)
     checkpoint = read_checkpoint(out) if cfg.resume else None
@@ -149,7 +149,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
-    _check_memory(cfg, model, bf16)
+    check_memory(cfg, model, bf16)
     out = prepare_out(cfg, "continual") if main else out
     parallel.barrier(device)
     general_probe = list(g_train.first(cfg.probe_blocks).batches(cfg.batch_size))
@@ -167,81 +167,41 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     if checkpoint:  # inside a task: the state the task started with (prepare may need it)
         method.load_state_dict(checkpoint["task_start" if inside else "method"])
     if checkpoint and not inside:
-        _set_rng_state(checkpoint["rng"])
+        set_rng_state(checkpoint["rng"])
     log(f"{cfg.method} on {len(tasks)} tasks: {', '.join(f'{t.name} ({t.kind})' for t in tasks)}; "
         f"base general loss {rows[0]['general_loss']:.4f}")
 
     for t in range(first, len(tasks)):
         task, t0 = tasks[t], time.time()
         task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
-        domain_probe = list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size))
-        ctx = Context(general_probe, domain_probe, progress, torch.bfloat16 if bf16 else None, task_index=t, log=log)
-        task_start = method.state_dict()
-        setup = method.prepare(model, ctx, layers=checkpoint["layers"] if inside and t == first else None)
-        if main:
-            task_dir.mkdir(exist_ok=True)
-            method.write_artifacts(task_dir)
-        n_trainable = sum(p.numel() for p in setup.trainable)
-        _check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
-        log(f"task {t + 1}/{len(tasks)} {task.name}: {setup.summary}; trainable {n_trainable / 1e6:.2f}M")
-        if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
-            setup = shard(model, setup, bf16)
-            trained = model
-        else:
-            trained = parallel.wrap(model, device)
-        optimizer, scheduler = optimizer_for(method, setup, cfg)
-        task_history = {"train": []}
-        step = 0
-        if inside and t == first:
-            load_training_state(checkpoint, model, method, optimizer, scheduler, out)
-            task_history, step = checkpoint["task_history"], checkpoint["step"]
-            log(f"resumed task {task.name} at step {step}")
-
-        def save_inside(done):
-            shards = save_sharded_state(out, done, model, optimizer)  # FSDP2: a collective
-            if not main:
-                return
-            state = {"completed": t, "step": done, "layers": setup.layers, "rows": rows, "per_task": per_task,
-                     "history": history, "task_history": task_history, "task_start": task_start, **shards,
-                     **training_state(model, method, optimizer, scheduler)}
-            atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
-            remove_stale_shards(out, shards.get("shards", ""))
-
-        def after_step(done):
-            nonlocal step
-            step = done
-            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
-                save_inside(done)
-
-        batches = method.train_blocks(blocks, t).batches(cfg.batch_size)
-        model.train()
-        try:
-            train_steps(trained, method, setup, optimizer, scheduler, batches, cfg, device, bf16, task_history, step,
-                        f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})", progress, after_step)
-        except KeyboardInterrupt:
-            if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
-                log(f"interrupted in task {task.name} at step {step}: continue from the last checkpoint in {out} "
-                    "with --resume")
-            else:
-                save_inside(step)
-                log(f"interrupted in task {task.name} at step {step}: checkpoint saved in {out}; continue with --resume")
-            raise
+        hooks = _TaskHooks(task_dir, t, len(tasks), task.name, log)
+        hooks.fields = {"completed": t, "rows": rows, "per_task": per_task, "history": history,
+                        "task_start": method.state_dict()}
+        resuming = inside and t == first
+        task_history = checkpoint["task_history"] if resuming else {"train": []}
         extras = {}
-        parallel.unshard_model(model)  # FSDP2: the whole weights on every rank again (a collective)
-        model = method.end_task(model, task_dir, extras)
+        fit = fit_task(model, method, cfg, device, bf16,
+                       lambda prepared, t=t: method.train_blocks(blocks, t).batches(cfg.batch_size), task_history,
+                       out=out, desc=f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})",
+                       general_probe=general_probe,
+                       domain_probe=list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size)), task_index=t,
+                       checkpoint=checkpoint if resuming else None, hooks=hooks, artifacts=task_dir, report=extras,
+                       progress=progress, log=log)
+        model = fit["model"]
         for p in model.parameters():
             p.requires_grad_(False)
         rows.append(evaluator.row(model, f"after {task.name}"))
-        per_task.append({"task": task.name, "kind": task.kind, "layers": setup.layers, "summary": setup.summary,
-                         "trainable_parameters": n_trainable, "seconds": round(time.time() - t0, 1),
-                         "peak_memory_mb": round(_peak_memory_mb(device)), **extras})
+        per_task.append({"task": task.name, "kind": task.kind, "layers": fit["task"].layers,
+                         "summary": fit["task"].summary, "trainable_parameters": fit["trainable"],
+                         "seconds": round(time.time() - t0, 1), "peak_memory_mb": round(peak_memory_mb(device)),
+                         **extras})
         history.append(task_history["train"])
         log(f"after {task.name}: scores {[round(s, 4) for s in rows[-1]['scores']]}, "
             f"general loss {rows[-1]['general_loss']:.4f}")
         if t + 1 < len(tasks) and main:
             atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
             state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
-                     "method": method.state_dict(), "rng": _rng_state(), "world_size": parallel.world_size()}
+                     "method": method.state_dict(), "rng": rng_state(), "world_size": parallel.world_size()}
             atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
             remove_stale_shards(out)
 
@@ -257,6 +217,23 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         f"{report['general_forgetting']:+.4f}; report: {out / 'report.md'}")
     parallel.barrier(device)  # every rank returns once rank 0 has written the run
     return report
+
+
+class _TaskHooks(TaskHooks):
+    """The sequence's part of a task: its folder, the log line, the sequence so far in checkpoints."""
+
+    def __init__(self, task_dir, t, n_tasks, name, log):
+        self.task_dir, self.t, self.n_tasks, self.name, self.log = task_dir, t, n_tasks, name, log
+        self.fields = {}
+
+    def prepared(self, task, n_trainable):
+        if self.task_dir is not None:
+            self.task_dir.mkdir(exist_ok=True)
+            task.method.write_artifacts(self.task_dir)
+        self.log(f"task {self.t + 1}/{self.n_tasks} {self.name}: {task.summary}; trainable {n_trainable / 1e6:.2f}M")
+
+    def checkpoint_fields(self):
+        return self.fields
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -294,10 +271,12 @@ def markdown_report(report: Dict) -> str:
     lines = [f"# adept_ext continual run: {report['method']}", "",
              f"Model `{cfg['model']}`, tasks {' → '.join(names)}, general corpus `{cfg['general']}` (held out); "
              f"{cfg['steps']} steps per task of {cfg['grad_accum']} micro-batch(es) x {cfg['batch_size']} blocks x "
-             f"{cfg['block_len']} tokens, lr {cfg['lr']}, seed {cfg['seed']}, device {report['machine']['device']}.", "",
+             f"{cfg['block_len']} tokens, lr {cfg['lr']}, seed {cfg['seed']}, "
+             f"device {report['machine']['device']}.", "",
              "Score a[t][i] = accuracy (instruction tasks: exact match of the greedy answer) or −loss (text tasks: "
              "held-out next-token loss) on task i after training through task t.", "",
-             "| after | " + " | ".join(f"{n} ({t['metric']})" for n, t in zip(names, report["tasks"])) + " | general loss |",
+             "| after | " + " | ".join(f"{n} ({t['metric']})" for n, t in zip(names, report["tasks"]))
+             + " | general loss |",
              "|---|" + "---|" * (len(names) + 1)]
     lines += [f"| {r['label']} | " + " | ".join(f"{s:.4f}" for s in r["scores"]) + f" | {r['general_loss']:.4f} |"
               for r in report["rows"]]

@@ -1,9 +1,70 @@
-"""transformers.Trainer integration of ADEPT's decoupled learning rates (docs/methods.md §1.3)."""
+"""transformers.Trainer integration: any method through `MethodCallback` (a task prepared by
+`adept_ext.prepare`), and ADEPT's decoupled learning rates alone through `ADEPTCallback`
+(docs/methods.md §1.3)."""
+import base64
+import io
+from typing import Dict
+
 import torch
 from transformers import TrainerCallback
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.trainer_callback import ExportableState
 
 from .lr import DecoupledLR
+from .methods.task import Task
 from .units import UnitImportance
+
+
+class MethodCallback(TrainerCallback, ExportableState):
+    """A task of any method (`adept_ext.prepare`) trained by `transformers.Trainer`:
+
+        task = adept_ext.prepare(model, method, general_probe=probe, lr=1e-3, total_steps=args.max_steps)
+        callback = MethodCallback(task)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback],
+                          optimizers=(torch.optim.AdamW(task.param_groups), None),
+                          compute_loss_func=callback.compute_loss)
+        trainer.train()
+        model = task.finish()  # a plain Hugging Face model
+
+    When training begins the method's optimizer-step hooks go on the Trainer's torch optimizer
+    (ADEPT's per-unit rates, EoupCT's projection); `compute_loss` is Hugging Face's causal-LM loss
+    plus the method's penalty (O-LoRA, DEAL). The method's state travels in the Trainer's
+    checkpoints (`ExportableState`, in trainer_state.json): on `resume_from_checkpoint` the Trainer
+    rebuilds this callback from its `name` (the task registered under it) and the saved state is
+    loaded before the first step."""
+
+    _tasks: Dict[str, Task] = {}
+
+    def __init__(self, task: Task = None, name: str = "adept_ext"):
+        if task is None:
+            if name not in MethodCallback._tasks:
+                raise ValueError(f"MethodCallback {name!r}: no task was registered under this name; "
+                                 "pass the task prepared by adept_ext.prepare")
+            task = MethodCallback._tasks[name]
+        MethodCallback._tasks[name] = task
+        self.task, self.name, self.saved_state = task, name, None
+
+    def compute_loss(self, outputs, labels, num_items_in_batch=None):
+        """The Trainer's `compute_loss_func`: next-token loss of `outputs` plus the method's penalties."""
+        loss = ForCausalLMLoss(outputs.logits, labels, vocab_size=outputs.logits.shape[-1],
+                               num_items_in_batch=num_items_in_batch)
+        for term in self.task.method.penalties(self.task.model):
+            loss = loss + term
+        return loss
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.task.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the torch optimizer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.saved_state is not None:  # restored from a checkpoint by the Trainer (after on_train_begin)
+            self.task.load_state_dict(torch.load(io.BytesIO(base64.b64decode(self.saved_state)), weights_only=False))
+            self.saved_state = None
+
+    def state(self) -> Dict:
+        buffer = io.BytesIO()
+        torch.save(self.task.state_dict(), buffer)
+        return {"args": {"name": self.name},
+                "attributes": {"saved_state": base64.b64encode(buffer.getvalue()).decode("ascii")}}
 
 
 class ADEPTCallback(TrainerCallback):

@@ -31,7 +31,7 @@ from .models import adapter
 from .ops import linear_cross_entropy
 from .probe import LayerScores, device_batch, prefix_shared_variants
 from .report import dataclass_json, plot_diagnosis
-from .rundir import InputError
+from .errors import InputError
 
 STRATEGIES = ("freeze_deep", "freeze_shallow")
 MASKABLE_ATTENTION = ("sdpa", "eager")

@@ -140,7 +140,8 @@ class DecoupledLR:
 
     def state_dict(self) -> Dict:
         return {"scores": list(self.scores), "steps": self.steps, "recomputes": self.recomputes,
-                "every": self.every, "floor": self.floor, "last_step": self.last_step, "units": [u.name for u in self.importance.units]}
+                "every": self.every, "floor": self.floor, "last_step": self.last_step,
+                "units": [u.name for u in self.importance.units]}
 
     def load_state_dict(self, state: Dict):
         names = [u.name for u in self.importance.units]

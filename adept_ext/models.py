@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from .rundir import InputError
+from .errors import InputError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 EMBEDDED_MODELS = {
@@ -168,7 +168,8 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:  # not JSON, or no model_type transformers knows
-        raise InputError(f"{path / 'config.json'} cannot be read as a Hugging Face config: {str(e).splitlines()[0]}") from e
+        raise InputError(f"{path / 'config.json'} cannot be read as a Hugging Face config: "
+                         f"{str(e).splitlines()[0]}") from e
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise InputError(f"unsupported architecture {config.model_type!r} in {path}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

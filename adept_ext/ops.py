@@ -75,7 +75,7 @@ def check_cuda_device(index: int) -> None:
         raise RuntimeError(message)
 
 
-def _check_device_arch(device) -> None:
+def check_device_arch(device) -> None:
     """Before the first launch on a GPU: a clear error when the build has no code for it."""
     if device is not None and device.type == "cuda" and not torch.compiler.is_compiling():
         check_cuda_device(device.index if device.index is not None else torch.cuda.current_device())
@@ -88,7 +88,7 @@ def _check_tensor_pairs(name: str, params, grads):
         raise ValueError(f"{name}: got {len(params)} params but {len(grads)} grads")
     ok, device = _pairs_ok(params, grads)
     if ok:
-        _check_device_arch(device)
+        check_device_arch(device)
         return _detached(params), _detached(grads), device
     for i, (p, g) in enumerate(zip(params, grads)):
         if g is None:
@@ -104,7 +104,7 @@ def _check_tensor_pairs(name: str, params, grads):
                 raise ValueError(f"{name}: {label}[{i}] is on {t.device}, but the other tensors are on {device}")
         if p.shape != g.shape:
             raise ValueError(f"{name}: params[{i}] has shape {tuple(p.shape)} but grads[{i}] has {tuple(g.shape)}")
-    _check_device_arch(device)
+    check_device_arch(device)
     return _detached(params), _detached(grads), device
 
 
@@ -236,7 +236,7 @@ def linear_cross_entropy(
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"{name}: targets[{i}] = {int(targets[i])} is outside [0, {weight.shape[0]}) "
                              f"and is not ignore_index ({ignore_index})")
-    _check_device_arch(hidden.device)
+    check_device_arch(hidden.device)
     return torch.ops.adept_ext.linear_cross_entropy.default(
         hidden, weight, targets, ignore_index,
         chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, hidden.dtype))
@@ -352,7 +352,7 @@ def _check_basis(name: str, basis, grads, in_place: bool):
     if not basis:
         raise ValueError(f"{name}: empty tensor lists")
     if _basis_ok(basis, grads, in_place):
-        _check_device_arch(basis[0].device)
+        check_device_arch(basis[0].device)
         return basis, grads, basis[0].shape[0]
     device = basis[0].device if isinstance(basis[0], torch.Tensor) else None
     basis = _check_tensor_list(name, "basis", basis, device, BASIS_DTYPES)
@@ -362,7 +362,7 @@ def _check_basis(name: str, basis, grads, in_place: bool):
         if q.dim() != g.dim() + 1 or q.shape[0] != k or q.shape[1:] != g.shape:
             raise ValueError(f"{name}: basis[{i}] has shape {tuple(q.shape)}; expected ({k}, *{tuple(g.shape)}) "
                              "with the same k for every tensor")
-    _check_device_arch(device)
+    check_device_arch(device)
     return basis, grads, k
 
 
@@ -417,11 +417,12 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
     name = "conflict_correct_"
     g_new, g_pre = list(g_new), list(g_pre)
     if len(g_new) != len(g_pre) or not g_new:
-        raise ValueError(f"{name}: g_new and g_pre must be non-empty lists of equal length, got {len(g_new)} and {len(g_pre)}")
+        raise ValueError(f"{name}: g_new and g_pre must be non-empty lists of equal length, "
+                         f"got {len(g_new)} and {len(g_pre)}")
     device = g_new[0].device if isinstance(g_new[0], torch.Tensor) else None
     g_new = _check_tensor_list(name, "g_new", g_new, device, contiguous=True)
     g_pre = _check_tensor_list(name, "g_pre", g_pre, device)
-    _check_device_arch(device)
+    check_device_arch(device)
     for i, (a, b) in enumerate(zip(g_new, g_pre)):
         if a.shape != b.shape:
             raise ValueError(f"{name}: g_new[{i}] has shape {tuple(a.shape)} but g_pre[{i}] has {tuple(b.shape)}")

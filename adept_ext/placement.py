@@ -31,7 +31,7 @@ import torch
 
 from .models import adapter
 from .probe import device_batch, layer_importance
-from .rundir import InputError
+from .errors import InputError
 
 PLACEMENTS = ("importance", "uniform", "domain_aware", "plasticity", "depth", "spread")
 NEEDS_DOMAIN = ("domain_aware", "plasticity")

@@ -82,7 +82,9 @@ def _shifted_targets(batch) -> torch.Tensor:
 def _repeat_batch(value, batch_size: int, times: int):
     """Repeat every tensor (also inside tuples) whose first dimension is the batch."""
     if isinstance(value, torch.Tensor):
-        return value.repeat(times, *[1] * (value.dim() - 1)) if value.dim() and value.shape[0] == batch_size > 1 else value
+        if value.dim() and value.shape[0] == batch_size > 1:
+            return value.repeat(times, *[1] * (value.dim() - 1))
+        return value
     if isinstance(value, (tuple, list)):
         return type(value)(_repeat_batch(v, batch_size, times) for v in value)
     if isinstance(value, dict):
@@ -242,7 +244,8 @@ def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call, tick):
     def loss_sums(final_hidden):  # [g, B, T, H] after the final norm -> [g]
         g = final_hidden.shape[0]
         rows = final_hidden.reshape(g, b * t, h)[:, valid].reshape(-1, h)
-        return linear_cross_entropy(rows, weight, targets[valid].repeat(g), chunk_rows=chunk_rows).view(g, -1).double().sum(1)
+        losses = linear_cross_entropy(rows, weight, targets[valid].repeat(g), chunk_rows=chunk_rows)
+        return losses.view(g, -1).double().sum(1)
 
     sums = [loss_sums(base_out[None])]
     for g0 in range(0, n_layers, group):

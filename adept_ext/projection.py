@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .ops import (BASIS_DTYPES, SUPPORTED_DTYPES, _check_device_arch, null_space_apply_prechecked_,
+from .ops import (BASIS_DTYPES, SUPPORTED_DTYPES, check_device_arch, null_space_apply_prechecked_,
                   null_space_coeffs_prechecked, taylor_importance)
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class _Memory:
         # shapes each time would cost more than the rest of the check)
         self._direction_specs = [(s.shape[1:], s.device) for s in self.storage]
         for device in {s.device for s in self.storage}:
-            _check_device_arch(device)  # before any kernel: the fused ops below skip their own checks
+            check_device_arch(device)  # before any kernel: the fused ops below skip their own checks
         self.k = 0
 
     @property
@@ -338,7 +338,8 @@ class GramMemory(_Memory):
         smallest = float(torch.linalg.eigvalsh(gram.cpu())[0])
         if smallest < ridge:
             message = (f"GramMemory: the {self.k} directions are rank-deficient beyond the ridge "
-                       f"(smallest eigenvalue of MᵀM {smallest:.3g} < ridge {ridge:.3g}); the projection uses the ridge")
+                       f"(smallest eigenvalue of MᵀM {smallest:.3g} < ridge {ridge:.3g}); "
+                       "the projection uses the ridge")
             if self.strict:
                 raise ValueError(message)
             warnings.warn(message)

@@ -85,7 +85,8 @@ def plot_unit_rates(units, values: List[float], path, title: str = "per-unit lea
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
             if v == v:
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < (max(values) + min(values)) / 2 else "black", fontsize=8)
+                color = "white" if v < (max(values) + min(values)) / 2 else "black"
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", color=color, fontsize=8)
     fig.colorbar(im, ax=ax, label=label or "multiplier of lr")
     ax.set_title(title)
     _save(fig, path)
@@ -153,7 +154,8 @@ def plot_matrix(matrix: List[List[float]], row_labels: List[str], column_labels:
     column (each task's own range), since accuracies and −losses do not share a scale."""
     plt = _pyplot()
     columns = list(zip(*matrix))
-    shade = [[(v - min(c)) / (max(c) - min(c)) if max(c) > min(c) else 0.5 for v, c in zip(row, columns)] for row in matrix]
+    shade = [[(v - min(c)) / (max(c) - min(c)) if max(c) > min(c) else 0.5 for v, c in zip(row, columns)]
+             for row in matrix]
     fig, ax = plt.subplots(figsize=(1.8 * len(column_labels) + 2.5, 0.55 * len(row_labels) + 1.8))
     ax.imshow(shade, cmap="viridis", aspect="auto", vmin=0, vmax=1)
     ax.set_xticks(range(len(column_labels)), column_labels)

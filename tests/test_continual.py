@@ -10,23 +10,18 @@ from transformers import AutoModelForCausalLM
 from adept_ext import data
 from adept_ext.cli import main
 from adept_ext.continual import config_from, metrics, run
-from adept_ext.methods import create, method_names
+from adept_ext.methods import Context, create, method_names
 from adept_ext.models import load_model
-from adept_ext.tasks import answer_scores, instruction_blocks, load_tasks
-from adept_ext.train import RunError
-from tiny_models import tiny_model, write_run_workspace
+from adept_ext.data.tasks import answer_scores, instruction_blocks, load_tasks
+from adept_ext.errors import RunError
+from tiny_models import tiny_model, write_sequence_workspace
 
 SEQUENCE_METHODS = method_names(sequence=True)
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = write_run_workspace(tmp_path_factory.mktemp("continual"))
-    (root / "docs.txt").write_text("\n\n".join(data.load_texts("python-docs")[:4]))
-    topics = data.bbc_news_labelled()[::150]
-    (root / "topics.jsonl").write_text("\n".join(json.dumps({"prompt": " ".join(t.split()[:12]) + "\nTopic:",
-                                                              "answer": f" {c}"}) for t, c in topics))
-    return root
+    return write_sequence_workspace(tmp_path_factory.mktemp("continual"))
 
 
 def options(ws, out, **kw):
@@ -115,28 +110,27 @@ def test_adept_seq_freezes_the_first_tasks_copy_during_the_second(workspace):
 @pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "eoupct", "deal", "per_task"])
 def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
     full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
-    import adept_ext.continual as continual_module
+    import adept_ext.training.loop as loop_module
 
-    real = continual_module.train_steps
+    real = loop_module.train_steps
     calls = {"n": 0}
 
-    def interrupting(model, method_, setup, optimizer, scheduler, batches, cfg, *args):
+    def interrupting(*args):
         calls["n"] += 1
+        *head, after = args
         if calls["n"] == 2:  # inside the second task, after 3 of its 4 steps (checkpoint at step 2)
-            after = args[-1]
-
             def stop_after_three(step):
                 after(step)
                 if step == 3:
                     raise KeyboardInterrupt
-            return real(model, method_, setup, optimizer, scheduler, batches, cfg, *args[:-1], stop_after_three)
-        return real(model, method_, setup, optimizer, scheduler, batches, cfg, *args)
+            return real(*head, stop_after_three)
+        return real(*args)
 
-    monkeypatch.setattr(continual_module, "train_steps", interrupting)
+    monkeypatch.setattr(loop_module, "train_steps", interrupting)
     with pytest.raises(KeyboardInterrupt):
         run(options(workspace, f"killed-{method}", method=method, steps=4), progress=False, log=quiet)
     assert (workspace / f"killed-{method}" / "checkpoint.pt").exists()
-    monkeypatch.setattr(continual_module, "train_steps", real)
+    monkeypatch.setattr(loop_module, "train_steps", real)
     resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True), progress=False, log=quiet)
     flat = lambda m: [v for row in m for v in row]  # noqa: E731
     assert flat(resumed["matrix"]) == pytest.approx(flat(full["matrix"]), rel=1e-5)
@@ -176,9 +170,10 @@ def test_replay_mixes_views_into_the_blocks_the_tensor_mixture_gave(workspace):
 
     tokenizer = load_model(workspace / "tiny")[1]
     tasks = load_tasks(f"{workspace / 'docs.txt'},{workspace / 'topics.jsonl'}", tokenizer, 32, seed=0)
-    cfg = options(workspace, "unused", method="replay", replay_fraction=0.5)
-    mixed = create("replay", cfg, sequence=True).train_blocks([t.train for t in tasks], 1)
-    rng = random.Random(cfg.seed * 1000 + 1)
+    method = create("replay", options(workspace, "unused", method="replay", replay_fraction=0.5), sequence=True)
+    method.prepare(tiny_model("llama", layers=2), Context(general_probe=[], seed=7))  # the buffer's seed: ctx.seed
+    mixed = method.train_blocks([t.train for t in tasks], 1)
+    rng = random.Random(7 * 1000 + 1)
     earlier, current = tasks[0].train.tensors(), tasks[1].train.tensors()
     n = earlier["input_ids"].shape[0]
     rows = torch.tensor(sorted(rng.sample(range(n), max(1, round(0.5 * n)))))

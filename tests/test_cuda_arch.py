@@ -71,13 +71,13 @@ def test_cuda_available_fails_clearly_on_a_gpu_the_build_cannot_run_on(fake_gpu)
     with pytest.raises(RuntimeError, match=r"TORCH_CUDA_ARCH_LIST='9.0'.*Fake GPU.*capability 8.0.*8.0\+PTX"):
         adept_ext.cuda_available()
     with pytest.raises(RuntimeError, match="capability 8.0"):  # the first op call on that GPU, too
-        ops._check_device_arch(torch.device("cuda"))
+        ops.check_device_arch(torch.device("cuda"))
 
 
 def test_cuda_available_on_a_gpu_the_build_runs_on(fake_gpu):
     fake_gpu("8.0;9.0+PTX", (9, 0))
     assert adept_ext.cuda_available() is True
-    ops._check_device_arch(torch.device("cuda", 0))
+    ops.check_device_arch(torch.device("cuda", 0))
 
 
 def test_unrecorded_arch_list_is_not_an_error(fake_gpu):

@@ -1,13 +1,15 @@
 """DEAL (wavelet-kernel retention + controlled update of the previous LoRA, merged after each
 task) and the per_task oracle: exact start of a task, merge equality, option checks, and runs on
 the continual runner."""
+import re
+
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from adept_ext.continual import ContinualConfig, config_from, run
-from adept_ext.methods import Context, MethodError, create
+from adept_ext.continual import config_from, run
+from adept_ext.methods import Context, DealConfig, MethodError, get_method
 from adept_ext.methods.lora import lora_adapters
 from test_continual import options, quiet, workspace  # noqa: F401 (the module-scoped workspace fixture)
 from tiny_models import padded_batches, tiny_model
@@ -20,7 +22,7 @@ def logits(model, batches):
 
 def after_first_task(**options):
     """A DEAL method and the tiny model after a first task whose LoRA was set to random values."""
-    method = create("deal", ContinualConfig(method="deal", deal_rank=4, **options), sequence=True)
+    method = get_method(DealConfig(rank=4, **options))
     model = tiny_model("llama", layers=2)
     method.prepare(model, Context(general_probe=[]))
     with torch.no_grad():
@@ -30,8 +32,8 @@ def after_first_task(**options):
     return method, method.end_task(model, None, {})
 
 
-SETTINGS = [dict(), dict(deal_filter="haar"), dict(deal_filter_on="a"), dict(deal_filter_on="b"),
-            dict(deal_filter="haar", deal_filter_on="b", deal_scales=1)]
+SETTINGS = [dict(), dict(filter="haar"), dict(filter_on="a"), dict(filter_on="b"),
+            dict(filter="haar", filter_on="b", scales=1)]
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=str)
@@ -78,7 +80,7 @@ def test_merge_is_exact_up_to_rounding_in_float64():
 
 
 def test_loss_adds_the_retention_and_update_penalties():
-    method, model = after_first_task(deal_lambda1=0.5, deal_a=4.0, deal_lambda2=0.25, deal_b=2.0)
+    method, model = after_first_task(lambda1=0.5, a=4.0, lambda2=0.25, b=2.0)
     method.prepare(model, Context(general_probe=[]))
     with torch.no_grad():
         for p in method.retain + method.updates:
@@ -91,19 +93,29 @@ def test_loss_adds_the_retention_and_update_penalties():
                                                                          rel=1e-5)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(deal_lambda1=-0.1), "deal_lambda1 must be"),
-    (dict(deal_lambda2=float("nan")), "deal_lambda2 must be"),
-    (dict(deal_a=2.0, deal_b=5.0), "deal_a >= deal_b"),
-    (dict(deal_b=0.5), "deal_a >= deal_b >= 1"),
-    (dict(deal_rank=0), "deal_rank must be >= 1"),
-    (dict(deal_scales=0), "deal_scales must be >= 1"),
-    (dict(deal_filter="gauss"), "deal_filter must be one of wavelet, haar"),
-    (dict(deal_filter_on="ba"), "deal_filter_on must be one of ab, a, b"),
-])
-def test_bad_options_are_method_errors_before_anything_loads(change, message):
-    with pytest.raises(MethodError, match=message):
-        config_from({"method": "deal", "model": "/nonexistent", **change})
+BAD = [
+    (dict(lambda1=-0.1), "deal_lambda1 must be a finite number >= 0, got -0.1"),
+    (dict(lambda2=float("nan")), "deal_lambda2 must be a finite number >= 0, got nan"),
+    (dict(a=2.0, b=5.0), "deal_a >= deal_b"),
+    (dict(b=0.5), "deal_a >= deal_b >= 1"),
+    (dict(rank=0), "deal_rank must be >= 1, got 0"),
+    (dict(scales=0), "deal_scales must be >= 1"),
+    (dict(filter="gauss"), "deal_filter must be one of wavelet, haar, got 'gauss'"),
+    (dict(filter_on="ba"), "deal_filter_on must be one of ab, a, b"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD)
+def test_bad_options_are_method_errors_when_the_config_is_built(change, message):
+    with pytest.raises(MethodError, match=re.escape(message)):
+        DealConfig(**change)
+
+
+@pytest.mark.parametrize("change,message", BAD)
+def test_bad_flat_options_are_method_errors_before_anything_loads(change, message):
+    flat = {f"deal_{k}": v for k, v in change.items()}
+    with pytest.raises(MethodError, match=re.escape(message)):
+        config_from({"method": "deal", "model": "/nonexistent", **flat})
 
 
 def test_deal_with_the_haar_filter_runs_on_the_sequence(workspace):  # noqa: F811

@@ -427,7 +427,7 @@ def test_fsdp2_refuses_what_it_cannot_shard_before_any_work(monkeypatch):
     method whose training hooks need whole weights (o_lora, deal) or no data parallelism (eoupct),
     an unknown engine; the other sequence methods pass."""
     from adept_ext import continual, train
-    from adept_ext.rundir import RunError
+    from adept_ext.errors import RunError
 
     with pytest.raises(RunError, match="torchrun --nproc-per-node"):
         train.config_from({"parallel": "fsdp2"})
@@ -494,9 +494,9 @@ def test_continual_under_fsdp2_equals_one_process_with_the_same_global_batch(run
 
 def _killed_continual_worker(rank, world, port, options, result_file):
     """`_run_worker` (continual) killed by a KeyboardInterrupt on every rank after step 3 of task 2."""
-    import adept_ext.continual as continual_module
+    import adept_ext.training.loop as loop_module
 
-    real, calls = continual_module.train_steps, []
+    real, calls = loop_module.train_steps, []
 
     def interrupted(*args):
         calls.append(1)
@@ -508,7 +508,7 @@ def _killed_continual_worker(rank, world, port, options, result_file):
                 raise KeyboardInterrupt
         return real(*head, after)
 
-    continual_module.train_steps = interrupted
+    loop_module.train_steps = interrupted
     with pytest.raises(KeyboardInterrupt):
         _run_worker(rank, world, port, options, result_file, "continual")
 

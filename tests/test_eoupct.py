@@ -1,26 +1,45 @@
 """EoupCT (adept_ext.methods.eoupct): the proxy, the virtual step, the projection, the conflict
-correction, the option checks, and runs on the continual runner (the every-method and the
-kill-and-resume tests in test_continual.py cover eoupct's defaults)."""
+correction, what each ablation and option changes, the option checks, and a run on the continual
+runner (the every-method and the kill-and-resume tests in test_continual.py cover eoupct's
+defaults)."""
 import dataclasses
+import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from adept_ext.continual import ContinualConfig, run
-from adept_ext.methods import Context, MethodError, create
-from adept_ext.train import optimizer_for
+from adept_ext.methods import Context, EoupCTConfig, MethodError, create, get_method
 from test_continual import options, quiet, workspace  # noqa: F401  (the module-scoped workspace fixture)
 from tiny_models import padded_batches, tiny_model
 
+STEPS = 4  # the task's optimizer steps (ctx.total_steps)
+
+
+def context(task_index=0):
+    return Context(general_probe=[], task_index=task_index, lr=1e-2, weight_decay=0.01, total_steps=STEPS)
+
+
+def optimizer_for(method, setup):
+    """AdamW over the method's groups (lr and weight decay: the context's) with its step hooks."""
+    optimizer = torch.optim.AdamW(setup.groups)
+    method.attach(optimizer)
+    return optimizer
+
 
 def make(student="lora", **kw):
-    cfg = ContinualConfig(method="eoupct", steps=4, warmup_steps=0, lr=1e-2, weight_decay=0.01, eoupct_student=student,
-                          **{f"eoupct_{k}": v for k, v in kw.items()})
     model = tiny_model("llama", layers=2)
-    method = create("eoupct", cfg, sequence=True)
-    setup = method.prepare(model, Context(general_probe=[]))
-    optimizer, _ = optimizer_for(method, setup, cfg)
-    return model, method, optimizer
+    method = get_method(EoupCTConfig(student=student, **kw))
+    setup = method.prepare(model, context())
+    return model, method, optimizer_for(method, setup)
+
+
+def next_task(model, method):
+    """End the task; the model and a new optimizer for the next one."""
+    model = method.end_task(model, None, {})
+    setup = method.prepare(model, context(task_index=1))
+    return model, optimizer_for(method, setup)
 
 
 def perturb_student(method, scale=0.05):
@@ -35,6 +54,10 @@ def train_step(model, method, optimizer, batch):
     optimizer.zero_grad(set_to_none=True)
     method.loss(model, batch).backward()
     optimizer.step()
+
+
+def flat(tensors):
+    return torch.cat([t.detach().flatten() for t in tensors])
 
 
 @pytest.mark.parametrize("mode,length", [("embeds", 16), ("gumbel", 16 + 8)])
@@ -73,10 +96,8 @@ def test_after_a_task_the_updates_are_orthogonal_to_the_stored_directions(studen
     batches = padded_batches(n_batches=4)
     for batch in batches:
         train_step(model, method, optimizer, batch)
-    model = method.end_task(model, None, {})
-    setup = method.prepare(model, Context(general_probe=[], task_index=1))
+    model, optimizer = next_task(model, method)
     assert method.memory.k > 0
-    optimizer, _ = optimizer_for(method, setup, method.cfg)
     for batch in batches:
         old = [p.detach().clone() for p in method.trainable]
         train_step(model, method, optimizer, batch)
@@ -95,71 +116,169 @@ def test_the_kept_adapter_is_re_added_without_changing_the_function():
     assert not any("lora" in n for n, _ in model.named_parameters())
     with torch.no_grad():
         merged = model(**batches[0]).logits
-    method.prepare(model, Context(general_probe=[], task_index=1))
+    method.prepare(model, context(task_index=1))
     assert any(not torch.equal(kept[n], t) for n, t in method.adapter.items())  # the end-of-task adapter
     with torch.no_grad():
         torch.testing.assert_close(model(**batches[0]).logits, merged, rtol=1e-5, atol=1e-5)
 
 
-def test_grad_projection_alone_does_not_hold_with_adamw():
-    """The measured reason for where="update": AdamW rescales a projected gradient out of the null space."""
-    model, method, optimizer = make(where="grad", proxy="none")
-    batches = padded_batches(n_batches=4)
-    for batch in batches:
-        train_step(model, method, optimizer, batch)
-    model = method.end_task(model, None, {})
-    setup = method.prepare(model, Context(general_probe=[], task_index=1))
-    optimizer, _ = optimizer_for(method, setup, method.cfg)
-    errors = []
-    for batch in batches:
-        old = [p.detach().clone() for p in method.trainable]
-        train_step(model, method, optimizer, batch)
-        errors.append(method.memory.orthogonality_error([p.detach() - o for p, o in zip(method.trainable, old)]))
-    assert max(errors) > 1e-3
+# ---------------------------------------------------------------- what each ablation / option changes
+def prompt_search(no_virtual=False, g_scale=1.0, shift=0.0):
+    """The prompt's ascent direction (−.grad after one search) with g_new = g_scale·(a fixed random
+    direction), the student first moved by −shift·g_new; alpha 0.5, proxy embeds (no sampling)."""
+    _, method, _ = make(proxy="embeds", alpha=0.5, no_virtual=no_virtual)
+    perturb_student(method)
+    torch.manual_seed(5)
+    g_new = [g_scale * torch.randn_like(p) for p in method.trainable]
+    with torch.no_grad():
+        for p, g in zip(method.trainable, g_new):
+            p.sub_(shift * g)
+    method._optimise_prompt(g_new)
+    return method.prompt.grad.clone()
 
 
-@pytest.mark.parametrize("correct", [True, False])
-def test_conflict_correction_removes_a_planted_conflict(correct):
+def test_no_virtual_searches_the_prompt_at_theta_instead_of_theta_virt():
+    default = prompt_search()                           # at θ_virt = θ − α g_new
+    assert torch.equal(default, prompt_search(no_virtual=True, shift=0.5))  # = at a student moved to θ − α g_new
+    at_theta = prompt_search(no_virtual=True)
+    assert torch.equal(at_theta, prompt_search(g_scale=0.0))  # no_virtual ignores g_new: the search at θ
+    assert not torch.allclose(default, at_theta, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("correct", [True, False], ids=["default", "no_conflict"])
+def test_conflict_correction_removes_a_planted_conflict_and_no_conflict_sums(correct):
     model, method, optimizer = make(proxy="embeds", no_conflict=not correct)
     perturb_student(method)
     method._optimise_prompt([torch.zeros_like(p) for p in method.trainable])
     g_pre = torch.autograd.grad(method.proxy_loss(*method.cache), method.trainable)
     torch.manual_seed(4)
-    for p, g in zip(method.trainable, g_pre):  # g_new = −2 g_pre + noise: ⟨g_new, g_pre⟩ < 0
-        p.grad = -2 * g + 0.01 * g.norm() * torch.randn_like(g)
+    g_new = [-2 * g + 0.01 * g.norm() * torch.randn_like(g) for g in g_pre]  # ⟨g_new, g_pre⟩ < 0
+    for p, g in zip(method.trainable, g_new):
+        p.grad = g.clone()
     method.step = 1  # not a prompt-optimisation step: g_pre is the one computed above
-    method._before_step(optimizer, (), {})
+    method._before_step(optimizer, (), {})  # the memory is empty: the projections change nothing
     dot = lambda a, b: sum((x * y).sum() for x, y in zip(a, b))  # noqa: E731
-    corrected = [p.grad - g for p, g in zip(method.trainable, g_pre)]  # .grad = g̃_new* + g̃_pre
+    combined = [p.grad for p in method.trainable]
+    plain = [a + b for a, b in zip(g_new, g_pre)]
+    corrected = [c - g for c, g in zip(combined, g_pre)]  # .grad = g̃_new* + g̃_pre
     if correct:
         assert abs(dot(corrected, g_pre)) <= 1e-4 * dot(g_pre, g_pre)
-    else:
+        assert not torch.allclose(flat(combined), flat(plain), rtol=1e-2, atol=0)
+    else:  # the plain sum, the conflict left in
+        torch.testing.assert_close(flat(combined), flat(plain), rtol=1e-6, atol=1e-9)
         assert dot(corrected, g_pre) < -dot(g_pre, g_pre)
 
 
+def test_grad_projection_projects_the_gradient_but_does_not_hold_with_adamw():
+    """where="grad": the projected gradients are in the null space, AdamW's updates are not (the
+    measured reason for the default where="update", whose updates are: see the orthogonality test)."""
+    model, method, optimizer = make(where="grad", proxy="none")
+    batches = padded_batches(n_batches=4)
+    for batch in batches:
+        train_step(model, method, optimizer, batch)
+    model, optimizer = next_task(model, method)
+    assert method._projector is None and method.memory.k > 0
+    errors = []
+    for batch in batches:
+        old = [p.detach().clone() for p in method.trainable]
+        train_step(model, method, optimizer, batch)
+        assert method.memory.orthogonality_error([p.grad for p in method.trainable]) <= 1e-5
+        errors.append(method.memory.orthogonality_error([p.detach() - o for p, o in zip(method.trainable, old)]))
+    assert max(errors) > 1e-3
+
+
+@pytest.mark.parametrize("target", ["hidden", "logits"])
+def test_target_compares_the_last_hidden_states_or_the_logits(target):
+    model, method, _ = make("full", proxy="embeds", target=target)
+    perturb_student(method)
+    seq, features = method.pseudo_sequence(method.prompt)
+    with torch.no_grad():
+        teacher, student = (m(inputs_embeds=seq, output_hidden_states=True) for m in (method.teacher, model))
+    pick = (lambda out: out.hidden_states[-1]) if target == "hidden" else (lambda out: out.logits)  # noqa: E731
+    width = model.config.hidden_size if target == "hidden" else model.config.vocab_size
+    assert features.shape == (1, seq.shape[1], width)
+    torch.testing.assert_close(features, pick(teacher), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(method.proxy_loss(seq, features), F.mse_loss(pick(student), pick(teacher)),
+                               rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("proxy", ["embeds", "none"])
+def test_proxy_none_leaves_the_task_gradient_alone(proxy):
+    """With an empty memory the step's .grad is g_new itself without a proxy, g̃_new* + g_pre with one."""
+    model, method, optimizer = make(proxy=proxy)
+    perturb_student(method)
+    method.loss(model, padded_batches()[0]).backward()
+    g_new = flat(p.grad for p in method.trainable)
+    method._before_step(optimizer, (), {})
+    if proxy == "none":
+        assert method.prompt is None and method.last_pre is None
+        assert torch.equal(flat(p.grad for p in method.trainable), g_new)
+    else:
+        assert not torch.allclose(flat(p.grad for p in method.trainable), g_new, rtol=1e-3, atol=0)
+
+
+def test_memory_delta_adds_the_task_change():
+    model, method, optimizer = make(proxy="none")
+    start = [p.detach().clone() for p in method.trainable]
+    for batch in padded_batches(n_batches=STEPS):
+        train_step(model, method, optimizer, batch)
+    (direction,) = method.task_directions()
+    assert all(torch.equal(d, p.detach() - s) for d, p, s in zip(direction, method.trainable, start))
+    assert method.windows == []  # no gradient sums kept
+
+
+def test_memory_gpm_adds_the_top_principal_direction_of_the_windowed_gradient_sums():
+    """directions = 1: 2 windows of STEPS/2 steps (ctx.total_steps); the added direction is the
+    top principal direction of the two sums, scaled by its singular value (up to sign)."""
+    model, method, optimizer = make(proxy="none", memory="gpm", directions=1)
+    start = flat(method.trainable)
+    grads = []
+    for batch in padded_batches(n_batches=STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        method.loss(model, batch).backward()
+        grads.append(flat(p.grad for p in method.trainable))  # the raw g_new the hook sums
+        optimizer.step()
+    sums = torch.stack([grads[0] + grads[1], grads[2] + grads[3]])
+    torch.testing.assert_close(torch.stack([flat(w) for w in method.windows]), sums, rtol=1e-6, atol=1e-9)
+    (direction,) = method.task_directions()
+    direction = flat(direction)
+    _, s, vh = torch.linalg.svd(sums.double(), full_matrices=False)
+    expected = (s[0] * vh[0]).float() * torch.sign(direction @ vh[0].float())
+    torch.testing.assert_close(direction, expected, rtol=1e-4, atol=1e-4 * float(s[0]) / direction.numel() ** 0.5)
+    assert not torch.allclose(direction, flat(method.trainable) - start)  # not the task's change (delta)
+
+
 @pytest.mark.parametrize("change,message", [
-    (dict(eoupct_lambda=-0.1), "eoupct_lambda must be >= 0"),
-    (dict(eoupct_proxy_len=0), "eoupct_proxy_len must be in 4..32"),
-    (dict(eoupct_proxy_len=3), "eoupct_proxy_len must be in 4..32"),
-    (dict(eoupct_proxy_len=33), "eoupct_proxy_len must be in 4..32"),
-    (dict(eoupct_tau=0.0), "eoupct_tau must be > 0"),
-    (dict(eoupct_alpha=-1.0), "eoupct_alpha must be >= 0"),
-    (dict(eoupct_proxy="magic"), "eoupct_proxy must be one of gumbel, embeds, none"),
-    (dict(eoupct_student="adapter"), "eoupct_student must be one of"),
-    (dict(eoupct_where="both"), "eoupct_where must be one of"),
-    (dict(eoupct_rank=0), "eoupct_rank must be >= 1"),
+    (dict(lam=-0.1), "eoupct_lambda must be >= 0, got -0.1"),
+    (dict(proxy_len=0), "eoupct_proxy_len must be in 4..32, got 0"),
+    (dict(proxy_len=3), "eoupct_proxy_len must be in 4..32"),
+    (dict(proxy_len=33), "eoupct_proxy_len must be in 4..32"),
+    (dict(tau=0.0), "eoupct_tau must be > 0, got 0.0"),
+    (dict(proxy_lr=float("nan")), "eoupct_proxy_lr must be > 0, got nan"),
+    (dict(alpha=-1.0), "eoupct_alpha must be >= 0"),
+    (dict(proxy="magic"), "eoupct_proxy must be one of gumbel, embeds, none, got 'magic'"),
+    (dict(student="adapter"), "eoupct_student must be one of"),
+    (dict(where="both"), "eoupct_where must be one of"),
+    (dict(target="attn"), "eoupct_target must be one of hidden, logits"),
+    (dict(memory="all"), "eoupct_memory must be one of gpm, delta"),
+    (dict(rank=0), "eoupct_rank must be >= 1, got 0"),
+    (dict(gen_steps=0), "eoupct_gen_steps must be >= 1"),
+    (dict(proxy_every=0), "eoupct_proxy_every must be >= 1"),
+    (dict(proxy_steps=0), "eoupct_proxy_steps must be >= 1"),
+    (dict(directions=0), "eoupct_directions must be >= 1"),
 ])
-def test_bad_hyperparameters_are_method_errors_when_the_method_is_created(change, message):
-    with pytest.raises(MethodError, match=message):
-        create("eoupct", dataclasses.replace(ContinualConfig(method="eoupct"), **change), sequence=True)
+def test_bad_hyperparameters_are_method_errors_when_the_config_is_built(change, message):
+    with pytest.raises(MethodError, match=re.escape(message)):
+        EoupCTConfig(**change)
+    flat_options = {("eoupct_lambda" if k == "lam" else f"eoupct_{k}"): v for k, v in change.items()}
+    with pytest.raises(MethodError, match=re.escape(message)):  # the same from a runner's flat options
+        create("eoupct", dataclasses.replace(ContinualConfig(method="eoupct"), **flat_options), sequence=True)
 
 
-@pytest.mark.parametrize("change", [dict(eoupct_student="full"), dict(eoupct_proxy="embeds"),
-                                    dict(eoupct_proxy="none"), dict(eoupct_no_virtual=True, eoupct_no_conflict=True),
-                                    dict(eoupct_where="grad", eoupct_target="logits", eoupct_memory="gpm")],
-                         ids=["full", "embeds", "none", "no_virtual_no_conflict", "grad_logits_gpm"])
-def test_options_run_end_to_end_on_user_task_files(workspace, change):  # noqa: F811
-    name = "eo-" + "-".join(f"{v}" for v in change.values())
-    report = run(options(workspace, name, method="eoupct", **change), progress=False, log=quiet)
+def test_every_non_default_option_runs_end_to_end_on_user_task_files(workspace):  # noqa: F811
+    change = dict(eoupct_student="full", eoupct_proxy="embeds", eoupct_no_virtual=True, eoupct_no_conflict=True,
+                  eoupct_where="grad", eoupct_target="logits", eoupct_memory="gpm", eoupct_directions=2)
+    report = run(options(workspace, "eo-options", method="eoupct", **change), progress=False, log=quiet)
     assert len(report["matrix"]) == 3 and report["metrics"]["BWT"] is not None
+    assert report["per_task"][0]["summary"].startswith("trains every parameter with EoupCT")
     assert [p["eoupct"]["memory_directions"] for p in report["per_task"]][0] >= 1

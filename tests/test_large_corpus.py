@@ -1,4 +1,4 @@
-"""Corpora through Hugging Face datasets (adept_ext.large_corpus): the blocks equal the in-memory
+"""Corpora through Hugging Face datasets (adept_ext.data.large_corpus): the blocks equal the in-memory
 path's, the caches are keyed by the files' contents, streaming reads blocks in corpus order, and
 bad corpora are clear errors."""
 import json
@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from adept_ext import data, large_corpus
+from adept_ext import data
+from adept_ext.data import large_corpus
 from adept_ext.train import Corpora, RunConfig, config_from
-from adept_ext.rundir import RunError
+from adept_ext.errors import RunError
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adept_ext import reference
-from adept_ext.data import context_query_task, fewshot_topic_task
+from adept_ext.lens_inputs import context_query_task, fewshot_topic_task
 from adept_ext.lens import Diagnosis, allocate, diagnose, layer_sensitivity, logit_lens
 from adept_ext.probe import layer_importance
 from tiny_models import ARCHS, padded_batches, tiny_model

@@ -65,3 +65,19 @@ def write_run_workspace(root):
         (root / "general" / f"{i}.txt").write_text(text)
     (root / "domain.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in data.load_texts("python-docs")[:6]))
     return root
+
+
+def write_sequence_workspace(root):
+    """`write_run_workspace` plus a two-task sequence: 4 Python documentation topics as a text
+    task (`docs.txt`) and 15 BBC News topic-classification examples as an instruction task
+    (`topics.jsonl`)."""
+    import json
+
+    from adept_ext import data
+
+    write_run_workspace(root)
+    (root / "docs.txt").write_text("\n\n".join(data.load_texts("python-docs")[:4]))
+    topics = data.bbc_news_labelled()[::150]
+    (root / "topics.jsonl").write_text("\n".join(json.dumps({"prompt": " ".join(t.split()[:12]) + "\nTopic:",
+                                                            "answer": f" {c}"}) for t, c in topics))
+    return root

@@ -6,7 +6,8 @@ with per-unit learning rates lr_U = 2·(1 − Î_U)·lr from first-order Taylor 
 A model that is already expanded (`config.adept`) keeps and trains its copies.
 """
 import json
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional
 
 from .. import placement
 from ..expand import expand_layers
@@ -14,18 +15,87 @@ from ..lens import boundary_from, diagnose
 from ..lr import DecoupledLR, param_groups
 from ..models import adapter
 from ..report import plot_unit_rates
-from ..units import UnitImportance
-from .base import Context, Method, MethodError, Setup, register
+from ..units import NORMALIZATIONS, UnitImportance
+from .base import Context, Method, MethodConfig, MethodError, Setup, option, register
 
 
-def explicit_layers(cfg) -> Optional[List[int]]:
-    """The --layers choice as sorted distinct indices, or None when the method chooses."""
-    if not getattr(cfg, "layers", ""):
+def parse_layers(text: str) -> Optional[List[int]]:
+    """The --layers option ("7,14") as layer indices, None when it is empty (the method chooses)."""
+    if not text:
         return None
     try:
-        return sorted({int(x) for x in cfg.layers.split(",")})
+        return [int(x) for x in text.split(",")]
     except ValueError:
-        raise MethodError(f"--layers must be comma-separated layer indices, got {cfg.layers!r}") from None
+        raise MethodError(f"--layers must be comma-separated layer indices, got {text!r}") from None
+
+
+@dataclass(kw_only=True)
+class LayerConfig(MethodConfig):
+    """k layers to expand or train; `layers` (sorted distinct indices) overrides the method's choice."""
+
+    k: int = 4
+    layers: Optional[List[int]] = option(None, parse=parse_layers)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require("k", self.k >= 1, "must be >= 1")
+        if self.layers is not None:
+            if not (isinstance(self.layers, (list, tuple)) and self.layers
+                    and all(isinstance(l, int) and not isinstance(l, bool) for l in self.layers)):
+                raise MethodError(f"layers must be a non-empty list of layer indices or None, got {self.layers!r}")
+            self.layers = sorted(set(self.layers))
+
+
+@dataclass(kw_only=True)
+class BoundaryConfig(MethodConfig):
+    """LayerTracer's boundary b between shallow and deep layers (docs/methods.md §3): half (the
+    depth's half), auto (from a LayerTracer diagnosis of the model) or a layer count."""
+
+    boundary: str = "half"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require("boundary", isinstance(self.boundary, str)
+                     and (self.boundary in ("half", "auto") or self.boundary.isdigit()),
+                     "must be half, auto or a layer count")
+
+
+@dataclass(kw_only=True)
+class PlacementConfig(BoundaryConfig, LayerConfig):
+    """Where Stage 1 puts the k layers: `placement` (see `adept_ext.placement`); `boundary` is the
+    depth placement's boundary (half: none, auto: from a LayerTracer diagnosis, or a layer count)."""
+
+    placement: str = "importance"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require_one_of("placement", placement.PLACEMENTS)
+
+
+@dataclass(kw_only=True)
+class RatesConfig(MethodConfig):
+    """Stage 2's per-unit rates (docs/methods.md §1.3): the importance normalisation and how often
+    (optimizer steps) it is recomputed."""
+
+    normalize: str = "rank"
+    recompute_every: int = 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require_one_of("normalize", NORMALIZATIONS)
+        self.require("recompute_every", self.recompute_every >= 1, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class AdeptConfig(RatesConfig, PlacementConfig):
+    """ADEPT: k copies placed by Stage 1 (or `layers`), trained with Stage 2's per-unit rates."""
+
+    method: ClassVar[str] = "adept"
+
+
+def check_k(k: int, n: int):
+    if not 0 < k <= n:
+        raise MethodError(f"k = {k} is not in [1, {n}] for a model with {n} layers")
 
 
 def copy_positions(sources: List[int]) -> List[int]:
@@ -43,31 +113,29 @@ class LayerMethod(Method):
     takes_layers = True
     selected_label = "copied (their copies train)"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, config):
+        super().__init__(config)
         self.scores = None     # LayerScores of the Stage 1 probe (general corpus), when one ran
         self.placement = None  # what the placement criterion measured, when one ran
         self.chosen: List[int] = []
 
     def check(self, model):
         n = adapter(model).num_layers
-        if not 0 < self.cfg.k <= n:
-            raise MethodError(f"k = {self.cfg.k} is not in [1, {n}] for a model with {n} layers")
-        bad = [l for l in explicit_layers(self.cfg) or [] if not 0 <= l < n]
+        check_k(self.config.k, n)
+        bad = [l for l in self.config.layers or [] if not 0 <= l < n]
         if bad:
             raise MethodError(f"--layers {bad} out of range for a model with {n} layers")
 
     def choose(self, model, ctx: Context) -> List[int]:
-        """Stage 1 by `cfg.placement` (see `adept_ext.placement`; default: ADEPT's importance,
+        """Stage 1 by `config.placement` (see `adept_ext.placement`; default: ADEPT's importance,
         the k layers whose bypass raises the general probe loss least)."""
-        name = getattr(self.cfg, "placement", "importance")
-        boundary = None
-        if name == "depth" and self.cfg.boundary.isdigit():
-            boundary = int(self.cfg.boundary)
-        elif name == "depth" and self.cfg.boundary == "auto":
+        name, boundary = self.config.placement, None
+        if name == "depth" and self.config.boundary.isdigit():
+            boundary = int(self.config.boundary)
+        elif name == "depth" and self.config.boundary == "auto":
             boundary = boundary_from(diagnose(model, ctx.diagnosis_batches(), None, progress=ctx.progress))
         try:
-            result = placement.choose(name, model, self.cfg.k, ctx.general_probe, ctx.domain_probe, boundary,
+            result = placement.choose(name, model, self.config.k, ctx.general_probe, ctx.domain_probe, boundary,
                                       ctx.progress)
         except ValueError as e:
             raise MethodError(f"--placement {name}: {e}") from e
@@ -76,9 +144,9 @@ class LayerMethod(Method):
         return result["layers"]
 
     def choose_layers(self, model, ctx: Context, layers: Optional[List[int]]) -> List[int]:
-        """`layers` (a replayed choice), else --layers, else the method's own choice."""
+        """`layers` (a replayed choice), else the config's layers, else the method's own choice."""
         if layers is None:
-            layers = explicit_layers(self.cfg)
+            layers = self.config.layers
         self.chosen = list(layers) if layers is not None else self.choose(model, ctx)
         return self.chosen
 
@@ -91,18 +159,27 @@ class LayerMethod(Method):
 
 
 class DecoupledRates:
-    """Stage 2 (docs/methods.md §1.3) as a mixin: one param group per unit and `DecoupledLR` on the optimizer."""
+    """Stage 2 (docs/methods.md §1.3) as a mixin: one param group per unit (at ctx.lr, ctx.weight_decay)
+    and `DecoupledLR` on the optimizer, which recomputes no rate after the task's last step
+    (ctx.total_steps, kept by `groups_for`)."""
 
-    def groups_for(self, model, ctx: Context, trainable) -> List[Dict]:
-        self.importance = UnitImportance(model, ctx.general_probe, normalize=self.cfg.normalize,
-                                         autocast_dtype=ctx.autocast_dtype)
-        return param_groups(model, self.cfg.lr, self.cfg.weight_decay)
+    def groups_for(self, model, ctx: Context, trainable, layers: Optional[List[int]] = None) -> List[Dict]:
+        """Per-unit groups and importance over the units of the copies at `layers` (None: every copy)."""
+        importance = UnitImportance(model, ctx.general_probe, normalize=self.config.normalize,
+                                    autocast_dtype=ctx.autocast_dtype)
+        groups = param_groups(model, ctx.lr, ctx.weight_decay)
+        if layers is not None:
+            importance.units = [u for u in importance.units if u.layer in layers]
+            names = {u.name for u in importance.units}
+            groups = [g for g in groups if g["adept_unit"] in names]
+        self.importance, self.total_steps = importance, ctx.total_steps
+        return groups
 
     decoupled = None
 
     def attach(self, optimizer):
-        self.decoupled = DecoupledLR(optimizer, self.importance, every=self.cfg.recompute_every,
-                                     last_step=self.cfg.steps)
+        self.decoupled = DecoupledLR(optimizer, self.importance, every=self.config.recompute_every,
+                                     last_step=self.total_steps)
 
     def step_note(self) -> str:
         due = self.decoupled is not None and self.decoupled.recompute_due()
@@ -133,7 +210,7 @@ class ExpandMethod(LayerMethod):
     that already has copies (config.adept) trains those instead."""
 
     def groups_for(self, model, ctx: Context, trainable) -> List[Dict]:
-        return self.groups(trainable)
+        return self.groups(trainable, ctx)
 
     def prepare(self, model, ctx: Context, layers=None) -> Setup:
         existing = getattr(model.config, "adept", None) or {}
@@ -150,4 +227,5 @@ class ExpandMethod(LayerMethod):
 @register
 class Adept(DecoupledRates, ExpandMethod):
     name = "adept"
+    config_class = AdeptConfig
     description = "ADEPT: copies of the k least important layers (general probe), per-unit learning rates"

@@ -1,16 +1,25 @@
 """Ablation of ADEPT (docs/methods.md §1.4): no expansion — the k least important layers themselves are
 trained (everything else frozen) with ADEPT's per-unit rates. The saved model has no
 `config.adept` block (nothing was expanded)."""
-from typing import Dict
+from dataclasses import dataclass
+from typing import ClassVar, Dict
 
 from ..models import adapter
-from .adept import DecoupledRates, LayerMethod
+from .adept import AdeptConfig, DecoupledRates, LayerMethod
 from .base import Setup, register, train_only
+
+
+@dataclass(kw_only=True)
+class AdeptNoExpandConfig(AdeptConfig):
+    """ADEPT's options; the k chosen layers themselves train."""
+
+    method: ClassVar[str] = "adept_no_expand"
 
 
 @register
 class AdeptNoExpand(DecoupledRates, LayerMethod):
     name = "adept_no_expand"
+    config_class = AdeptNoExpandConfig
     description = "ADEPT's per-unit rates on the k least important layers themselves (no copies)"
     selected_label = "trained"
 

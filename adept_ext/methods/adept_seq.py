@@ -5,16 +5,38 @@ after LLaMA-Pro's uniformly spaced original layers (`llama_pro_seq`, one learnin
 only the new copies train: the originals and the earlier tasks' copies stay frozen, so what an
 earlier task learned is kept bit for bit.
 """
-from typing import List
+from dataclasses import dataclass
+from typing import ClassVar, List
 
 from ..expand import expand_layers
-from ..lr import param_groups
 from ..models import adapter
 from ..placement import uniform
 from ..probe import layer_importance
-from ..units import UnitImportance
-from .adept import DecoupledRates, LayerMethod, describe_copies
-from .base import MethodError, Setup, register, train_only
+from .adept import DecoupledRates, LayerMethod, RatesConfig, check_k, describe_copies
+from .base import MethodConfig, MethodError, Setup, register, train_only
+
+
+@dataclass(kw_only=True)
+class CopiesPerTaskConfig(MethodConfig):
+    """k new copies per task."""
+
+    k: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require("k", self.k >= 1, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class AdeptSeqConfig(RatesConfig, CopiesPerTaskConfig):
+    """k copies per task, and Stage 2's rates over the new copies."""
+
+    method: ClassVar[str] = "adept_seq"
+
+
+@dataclass(kw_only=True)
+class LlamaProSeqConfig(CopiesPerTaskConfig):
+    method: ClassVar[str] = "llama_pro_seq"
 
 
 def original_layers(model) -> List[int]:
@@ -29,13 +51,16 @@ class ExpandPerTask(LayerMethod):
     single_domain = False
     sequence = True
 
+    def check(self, model):
+        check_k(self.config.k, adapter(model).num_layers)
+
     def pick(self, model, ctx, originals: List[int]) -> List[int]:
         raise NotImplementedError
 
     def prepare(self, model, ctx, layers=None) -> Setup:
         originals = original_layers(model)
-        if not 0 < self.cfg.k <= len(originals):
-            raise MethodError(f"k = {self.cfg.k} is not in [1, {len(originals)}] original layers")
+        if not 0 < self.config.k <= len(originals):
+            raise MethodError(f"k = {self.config.k} is not in [1, {len(originals)}] original layers")
         self.chosen = list(layers) if layers is not None else self.pick(model, ctx, originals)
         before = set(id(layer) for layer in adapter(model).layers)
         expand_layers(model, self.chosen)
@@ -46,32 +71,29 @@ class ExpandPerTask(LayerMethod):
                      f"trains {len(new)} new {describe_copies(self.chosen)}; earlier copies frozen")
 
     def groups_for(self, model, ctx, trainable):
-        return self.groups(trainable)
+        return self.groups(trainable, ctx)
 
 
 @register
 class AdeptSeq(DecoupledRates, ExpandPerTask):
     name = "adept_seq"
+    config_class = AdeptSeqConfig
     description = "ADEPT per task: copies of the k least important original layers, per-unit rates on the new copies"
 
     def pick(self, model, ctx, originals):
         self.scores = layer_importance(model, ctx.general_probe, progress=ctx.progress)
-        return sorted(sorted(originals, key=lambda i: (self.scores.scores[i], i))[:self.cfg.k])
+        return sorted(sorted(originals, key=lambda i: (self.scores.scores[i], i))[:self.config.k])
 
     def groups_for(self, model, ctx, trainable):
         """Per-unit groups and importance over the new copies' units only."""
-        importance = UnitImportance(model, ctx.general_probe, normalize=self.cfg.normalize,
-                                    autocast_dtype=ctx.autocast_dtype)
-        importance.units = [u for u in importance.units if u.layer in self.new_copies]
-        self.importance = importance
-        names = {u.name for u in importance.units}
-        return [g for g in param_groups(model, self.cfg.lr, self.cfg.weight_decay) if g["adept_unit"] in names]
+        return super().groups_for(model, ctx, trainable, self.new_copies)
 
 
 @register
 class LlamaProSeq(ExpandPerTask):
     name = "llama_pro_seq"
+    config_class = LlamaProSeqConfig
     description = "LLaMA-Pro per task: k uniformly spaced copies of original layers, one learning rate"
 
     def pick(self, model, ctx, originals):
-        return sorted(originals[j] for j in uniform(len(originals), self.cfg.k))
+        return sorted(originals[j] for j in uniform(len(originals), self.config.k))

@@ -3,7 +3,7 @@
 A runner (`train.run` for one domain, `continual.run` for a task sequence) never branches on a
 method's name; it calls these hooks, in this order, for every task:
 
-    method = create(name, cfg)
+    method = create(name, options)              # or get_method(AdeptConfig(k=4, ...))
     setup = method.prepare(model, ctx, layers)  # freeze / expand / wrap the model for the task
     method.write_artifacts(out)                 # what preparing computed (layer scores, diagnosis)
     optimizer = AdamW(setup.groups, ...)
@@ -19,33 +19,77 @@ learned).
 
 `state_dict()` / `load_state_dict()` carry what a method must keep across a kill (resume) and
 across tasks. A kill inside a task resumes by loading the state the method had when the task
-started, then `prepare`, then the state saved inside the task. A new method is one file in this
-package: a `Method` subclass with the `@register` decorator; the runners and the CLI pick it up
-by its name.
+started, then `prepare`, then the state saved inside the task.
+
+A method reads no runner's options: its own options are a `MethodConfig` dataclass that checks
+itself when it is built (MethodError), and the training it prepares for (learning rate, weight
+decay, steps, seed) comes with the `Context` of `prepare`. A new method is one file in this
+package: a `MethodConfig` subclass naming the method, and a `Method` subclass with the
+`@register` decorator whose `config_class` is that config; the runners and the CLI pick it up by
+its name.
 """
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Collection, Dict, List, Optional, Sequence
 
 import torch
 
 from ..data import BlockSet
-from ..rundir import InputError
+from ..errors import MethodError
 
 REGISTRY: Dict[str, type] = {}
 
 
-class MethodError(InputError):
-    """An input a method cannot work with (an unknown name, a sequence it does not learn, an option
-    or a k that does not fit the model): one `adept-ext: error:` line in the CLI, and a ValueError
-    for code that calls the methods directly. Any other exception inside a method is a bug and
-    keeps its traceback."""
+def option(default, name: Optional[str] = None, parse: Optional[Callable] = None):
+    """A config field with its default and the runner's flat option it comes from (`name`;
+    default: the field's own name), read through `parse` when the option's form differs."""
+    metadata = {k: v for k, v in (("option", name), ("parse", parse)) if v is not None}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(kw_only=True)
+class MethodConfig:
+    """The options of one method (PEFT-style): a dataclass per registered method, named by its
+    `method` class attribute, that checks its values when built (MethodError, before anything is
+    created). Subclasses share fields by inheritance and extend `__post_init__`."""
+
+    method: ClassVar[str] = ""  # the registered method this config configures ("": a shared base)
+
+    def __post_init__(self):
+        """Check the values (MethodError); subclasses call super() first, then check their own."""
+
+    @classmethod
+    def from_options(cls, options: Any) -> "MethodConfig":
+        """The config from a runner's flat options (`RunConfig`, `ContinualConfig`): each field
+        from the option its metadata names; the field's default where the runner has no such option."""
+        values = {}
+        for f in fields(cls):
+            value = getattr(options, f.metadata.get("option", f.name), MISSING)
+            if value is not MISSING:
+                values[f.name] = f.metadata["parse"](value) if "parse" in f.metadata else value
+        return cls(**values)
+
+    def option_name(self, name: str) -> str:
+        """The runner's flat option that field `name` comes from (the name error messages use)."""
+        return next(f.metadata.get("option", f.name) for f in fields(self) if f.name == name)
+
+    def require(self, name: str, ok: bool, rule: str):
+        """MethodError "<option> <rule>, got <value>" unless `ok`."""
+        if not ok:
+            raise MethodError(f"{self.option_name(name)} {rule}, got {getattr(self, name)!r}")
+
+    def require_one_of(self, name: str, allowed: Collection[str]):
+        self.require(name, getattr(self, name) in allowed, f"must be one of {', '.join(allowed)}")
 
 
 def register(cls):
-    """Class decorator: make `cls` available to the runners under `cls.name`."""
+    """Class decorator: make `cls` available to the runners under `cls.name`, configured by
+    `cls.config_class` (whose `method` must be that name)."""
     if cls.name in REGISTRY:
         raise ValueError(f"method {cls.name!r} is registered twice")
+    if cls.config_class.method != cls.name:
+        raise ValueError(f"method {cls.name!r}: its config_class {cls.config_class.__name__} configures "
+                         f"{cls.config_class.method!r}")
     REGISTRY[cls.name] = cls
     return cls
 
@@ -57,9 +101,10 @@ def method_names(single_domain: Optional[bool] = None, sequence: Optional[bool] 
             and (sequence is None or cls.sequence == sequence)]
 
 
-def create(name: str, cfg, sequence: bool = False) -> "Method":
-    """The method `name` configured by `cfg`; MethodError for an unknown name or for a method that
-    cannot learn a task sequence when `sequence` is asked for (or cannot run alone when not)."""
+def create(name: str, options: Any, sequence: bool = False) -> "Method":
+    """The method `name` configured from a runner's flat `options` (`MethodConfig.from_options`);
+    MethodError for an unknown name, for a method that cannot learn a task sequence when
+    `sequence` is asked for (or cannot run alone when not), or for an option it refuses."""
     if name not in REGISTRY:
         raise MethodError(f"unknown method {name!r}; choose one of {', '.join(method_names(None, sequence or None))}")
     cls = REGISTRY[name]
@@ -69,7 +114,15 @@ def create(name: str, cfg, sequence: bool = False) -> "Method":
     if not sequence and not cls.single_domain:
         raise MethodError(f"method {name!r} is for task sequences (adept-ext continual); choose one of "
                           f"{', '.join(method_names(single_domain=True))}")
-    return cls(cfg)
+    return get_method(cls.config_class.from_options(options))
+
+
+def get_method(config: MethodConfig) -> "Method":
+    """The registered method that `config` configures (e.g. `get_method(DealConfig(rank=4))`)."""
+    if not isinstance(config, MethodConfig) or config.method not in REGISTRY:
+        raise TypeError(f"get_method needs the config of a registered method (e.g. AdeptConfig()), "
+                        f"got {type(config).__name__}")
+    return REGISTRY[config.method](config)
 
 
 @dataclass
@@ -83,6 +136,11 @@ class Context:
     task_index: int = 0                                  # 0-based position in the sequence (0 for `run`)
     diagnosis_batches: Optional[Callable[[], List[Dict[str, torch.Tensor]]]] = None  # LayerTracer inputs
     log: Callable = print
+    # The training the method prepares for (explicit: a method reads no runner's options).
+    lr: float = field(default=3e-4, kw_only=True)           # base learning rate of the task
+    weight_decay: float = field(default=0.01, kw_only=True)  # AdamW's decoupled weight decay
+    total_steps: int = field(default=40, kw_only=True)       # optimizer steps the task will take
+    seed: int = field(default=0, kw_only=True)               # the run's seed (replay's draws)
 
 
 @dataclass
@@ -91,7 +149,7 @@ class Setup:
 
     trainable: List[torch.nn.Parameter]
     groups: List[Dict]                        # optimizer param groups
-    layers: List[int] = field(default_factory=list)  # layers expanded or trained (numbering of the model before the task)
+    layers: List[int] = field(default_factory=list)  # layers expanded or trained (numbering before the task)
     summary: str = ""                         # one line for the log: what is trained
 
 
@@ -110,14 +168,15 @@ class Method:
     the hooks they need (see the module docstring for the order the runners call them in)."""
 
     name = ""
+    config_class: type = MethodConfig  # the method's options (`config_class.method` == `name`)
     description = ""
     takes_layers = False   # accepts k / --layers
     single_domain = True   # usable by `adept-ext run`
     sequence = False       # usable by `adept-ext continual`
     shardable = True       # trains a model sharded by FSDP2 (--parallel fsdp2); the runners unshard it before end_task
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, config: MethodConfig):
+        self.config = config
 
     def check(self, model):
         """Options that depend on the model; raise MethodError before anything is changed."""
@@ -125,9 +184,9 @@ class Method:
     def prepare(self, model, ctx: Context, layers: Optional[List[int]] = None) -> Setup:
         raise NotImplementedError
 
-    def groups(self, trainable) -> List[Dict]:
-        """One param group with the run's lr and weight decay."""
-        return [{"params": trainable, "lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay}]
+    def groups(self, trainable, ctx: Context) -> List[Dict]:
+        """One param group with the task's lr and weight decay (`ctx`)."""
+        return [{"params": trainable, "lr": ctx.lr, "weight_decay": ctx.weight_decay}]
 
     def write_artifacts(self, out):
         """Write what `prepare` computed (JSON/PNG) into the run directory."""
@@ -144,8 +203,16 @@ class Method:
         return blocks[task_index]
 
     def loss(self, model, batch) -> torch.Tensor:
-        """The training loss of one micro-batch (default: the model's next-token loss)."""
-        return model(**batch, use_cache=False).loss
+        """The training loss of one micro-batch: the model's next-token loss plus the `penalties`."""
+        loss = model(**batch, use_cache=False).loss
+        for term in self.penalties(getattr(model, "module", model)):  # under DDP: the wrapped model
+            loss = loss + term
+        return loss
+
+    def penalties(self, model) -> List[torch.Tensor]:
+        """The terms the method adds to the task loss (O-LoRA, DEAL; default none). They depend on
+        the parameters only, so `hf.MethodCallback` adds them to the Trainer's own loss too."""
+        return []
 
     def end_task(self, model, out, report: Dict):
         """After training a task: detach hooks, write plots into `out` (None: write nothing, e.g.

@@ -1,7 +1,8 @@
-"""DEAL (NeurIPS 2025, arXiv 2509.18942, method section; docs/methods.md §4, docs/methods.md §4): continual
+"""DEAL (NeurIPS 2025, arXiv 2509.18942, method section; docs/methods.md §4): continual
 LoRA fine-tuning that filters the previous task's LoRA factors Y = X + D (Y = A or B) down to
 their task core X̂ (knowledge retention) and adds the new task's knowledge with a small MLP on
-top (controlled update): Y' = X̂ + MLP(X̂), loss = L_task + λ1‖θ_retain‖_a^a + λ2‖θ_update‖_b^b.
+top (controlled update): Y' = X̂ + MLP(X̂), loss = L_task + λ1‖θ_retain‖_a^a + λ2‖θ_update‖_b^b
+(`DealConfig`: lambda1, a, lambda2, b; options deal_lambda1, deal_a, ...).
 
 The LoRA carried across tasks: task 1 learns a plain rank-r PEFT LoRA (there is nothing to
 retain yet); after every task its factors (A', B') are merged into the weights and kept, and are
@@ -12,14 +13,15 @@ whose weights are parametrizations (torch.nn.utils.parametrize) of the frozen fa
 MLP start as exact zero residuals, so ΔA = ΔB = 0 and the output at the start of a task is the
 previous model's exactly; PEFT's merge then leaves a plain checkpoint (zero inference cost).
 """
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .base import MethodError, Setup, register, train_only
-from .lora import SeqLora, add_lora, lora_adapters
+from .base import MethodError, Setup, option, register, train_only
+from .lora import SeqLora, SeqLoraConfig, add_lora, lora_adapters
 
 FILTERS = ("wavelet", "haar")
 FILTER_ON = ("ab", "a", "b")
@@ -108,29 +110,42 @@ class Factor(nn.Module):
         return torch.cat([self.delta(y0), y0])
 
 
+@dataclass(kw_only=True)
+class DealConfig(SeqLoraConfig):
+    """The carried LoRA's rank r, the retention filter (which, on which factors, its scales) and
+    the penalties' weights and exponents (a >= b >= 1)."""
+
+    method: ClassVar[str] = "deal"
+    rank: int = option(8, "deal_rank")
+    filter: str = option("wavelet", "deal_filter")      # wavelet (heat-kernel network) | haar (public code)
+    filter_on: str = option("ab", "deal_filter_on")     # the factors filtered and updated: ab | a | b
+    scales: int = option(3, "deal_scales")              # heat-kernel scales of the wavelet filter
+    lambda1: float = option(0.01, "deal_lambda1")
+    a: float = option(10.0, "deal_a")
+    lambda2: float = option(0.001, "deal_lambda2")
+    b: float = option(2.0, "deal_b")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require_one_of("filter", FILTERS)
+        self.require_one_of("filter_on", FILTER_ON)
+        self.require("scales", self.scales >= 1, "must be >= 1")
+        for name in ("lambda1", "lambda2"):
+            self.require(name, 0 <= getattr(self, name) < float("inf"), "must be a finite number >= 0")
+        if not 1 <= self.b <= self.a < float("inf"):
+            raise MethodError(f"deal_a >= deal_b >= 1 is needed (the retention norm at least as high as the "
+                              f"update norm), got a = {self.a}, b = {self.b}")
+
+
 @register
 class Deal(SeqLora):
     name = "deal"
+    config_class = DealConfig
     description = "DEAL: the previous LoRA filtered (wavelet kernels) and updated (MLP), merged after each task"
     shardable = False  # parametrized adapter factors and penalties on whole tensors
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.rank = cfg.deal_rank
-        if self.rank < 1:
-            raise MethodError(f"deal_rank must be >= 1, got {self.rank}")
-        if cfg.deal_filter not in FILTERS:
-            raise MethodError(f"deal_filter must be one of {', '.join(FILTERS)}, got {cfg.deal_filter!r}")
-        if cfg.deal_filter_on not in FILTER_ON:
-            raise MethodError(f"deal_filter_on must be one of {', '.join(FILTER_ON)}, got {cfg.deal_filter_on!r}")
-        if cfg.deal_scales < 1:
-            raise MethodError(f"deal_scales must be >= 1, got {cfg.deal_scales}")
-        for name in ("deal_lambda1", "deal_lambda2"):
-            if not 0 <= getattr(cfg, name) < float("inf"):
-                raise MethodError(f"{name} must be a finite number >= 0, got {getattr(cfg, name)}")
-        if not 1 <= cfg.deal_b <= cfg.deal_a < float("inf"):
-            raise MethodError(f"deal_a >= deal_b >= 1 is needed (the retention norm at least as high as the "
-                              f"update norm), got a = {cfg.deal_a}, b = {cfg.deal_b}")
+    def __init__(self, config):
+        super().__init__(config)
         self.factors: Dict[str, tuple] = {}  # module name -> (A' [r, d_in], B' [d_out, r]) of the last task
         self.retain: List[nn.Parameter] = []
         self.updates: List[nn.Parameter] = []
@@ -138,8 +153,9 @@ class Deal(SeqLora):
     def prepare(self, model, ctx, layers=None) -> Setup:
         if not self.factors:  # task 1: a plain LoRA
             return super().prepare(model, ctx, layers)
-        r, cfg = self.rank, self.cfg
-        filter_cls = WaveletFilter if cfg.deal_filter == "wavelet" else HaarFilter
+        config = self.config
+        r = config.rank
+        filter_cls = WaveletFilter if config.filter == "wavelet" else HaarFilter
         self.peft_model = add_lora(model, 2 * r)  # scaling 2 as at rank r
         self.retain, self.updates = [], []
         for name, layer in lora_adapters(model):
@@ -148,29 +164,31 @@ class Deal(SeqLora):
                 layer.lora_A["default"].weight.copy_(torch.cat([torch.zeros_like(a0), a0]))
                 layer.lora_B["default"].weight.copy_(torch.cat([b0, torch.zeros_like(b0)], 1))
             for key, y0, is_b in (("a", a0, False), ("b", b0.T, True)):
-                if key in cfg.deal_filter_on:
-                    factor = Factor(y0, is_b, filter_cls, cfg.deal_scales).to(y0)
+                if key in config.filter_on:
+                    factor = Factor(y0, is_b, filter_cls, config.scales).to(y0)
                     parametrize.register_parametrization(layer.lora_B["default"] if is_b else layer.lora_A["default"],
                                                          "weight", factor)
                     self.retain += list(factor.filter.parameters())
                     self.updates += list(factor.update.parameters())
         trainable = train_only(model, self.retain + self.updates)
-        return Setup(trainable, self.groups(trainable), [],
-                     f"DEAL ({cfg.deal_filter} filter + MLP update on {cfg.deal_filter_on.upper()}) of the previous "
+        return Setup(trainable, self.groups(trainable, ctx), [],
+                     f"DEAL ({config.filter} filter + MLP update on {config.filter_on.upper()}) of the previous "
                      f"rank-{r} LoRA on {len(self.factors)} projections")
 
     def loss(self, model, batch) -> torch.Tensor:
         with parametrize.cached():  # each adapted factor computed once per forward
-            loss = super().loss(model, batch)
-        cfg = self.cfg
-        for params, lam, power in ((self.retain, cfg.deal_lambda1, cfg.deal_a), (self.updates, cfg.deal_lambda2, cfg.deal_b)):
-            if params and lam:
-                loss = loss + lam * sum(p.abs().pow(power).sum() for p in params)
-        return loss
+            return super().loss(model, batch)
+
+    def penalties(self, model) -> List[torch.Tensor]:
+        """λ1·‖θ_retain‖_a^a and λ2·‖θ_update‖_b^b (docs/methods.md §4)."""
+        c = self.config
+        return [lam * sum(p.abs().pow(power).sum() for p in params)
+                for params, lam, power in ((self.retain, c.lambda1, c.a), (self.updates, c.lambda2, c.b))
+                if params and lam]
 
     def end_task(self, model, out, report: Dict):
         """Keep the adapted factors (A', B') as the next task's Y, then merge (a plain model again)."""
-        r = self.rank
+        r = self.config.rank
         with torch.no_grad():
             for name, layer in lora_adapters(model):
                 a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight

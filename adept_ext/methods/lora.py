@@ -2,9 +2,10 @@
 attention and MLP projection, the base weights frozen; merged into the weights at the end, so
 the saved model is a plain Hugging Face checkpoint. `seq_lora`: a fresh adapter per task,
 merged after it (docs/methods.md §5)."""
-from typing import Dict
+from dataclasses import dataclass
+from typing import ClassVar, Dict
 
-from .base import Method, MethodError, Setup, register
+from .base import Method, MethodConfig, Setup, option, register
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -24,23 +25,39 @@ def lora_adapters(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
+@dataclass(kw_only=True)
+class LoraMethodConfig(MethodConfig):
+    """The adapter's rank r (not PEFT's `LoraConfig`: the method builds that from r)."""
+
+    method: ClassVar[str] = "lora"
+    rank: int = option(8, "lora_rank")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require("rank", self.rank >= 1, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class SeqLoraConfig(LoraMethodConfig):
+    method: ClassVar[str] = "seq_lora"
+
+
 @register
 class Lora(Method):
     name = "lora"
+    config_class = LoraMethodConfig
     description = "LoRA on every projection (PEFT), merged into the weights at the end"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        if cfg.lora_rank < 1:
-            raise MethodError(f"lora_rank must be >= 1, got {cfg.lora_rank}")
-        self.rank = cfg.lora_rank
+    def __init__(self, config):
+        super().__init__(config)
         self.peft_model = None
 
     def prepare(self, model, ctx, layers=None) -> Setup:
-        r = self.rank
+        r = self.config.rank
         self.peft_model = add_lora(model, r)
         trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
-        return Setup(trainable, self.groups(trainable), [], f"trains rank-{r} LoRA adapters on {', '.join(TARGET_MODULES)}")
+        return Setup(trainable, self.groups(trainable, ctx), [],
+                     f"trains rank-{r} LoRA adapters on {', '.join(TARGET_MODULES)}")
 
     def end_task(self, model, out, report: Dict):
         """Merge the adapter into the weights: a plain model again."""
@@ -52,6 +69,7 @@ class Lora(Method):
 @register
 class SeqLora(Lora):
     name = "seq_lora"
+    config_class = SeqLoraConfig
     description = "a fresh LoRA adapter per task, merged into the weights after it"
     single_domain = False
     sequence = True

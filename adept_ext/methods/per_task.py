@@ -6,28 +6,38 @@ the sequence. The saved model is the base model, unchanged (so the general loss 
 each task's adapter is saved in its task folder, `task-<i>-<name>/adapter/` (PEFT's
 save_pretrained; load it with `peft.PeftModel.from_pretrained(base, folder)`)."""
 from contextlib import contextmanager
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List
 
 import torch
 
 from .base import register
-from .lora import SeqLora, add_lora
+from .lora import SeqLora, SeqLoraConfig, add_lora
+
+
+@dataclass(kw_only=True)
+class PerTaskConfig(SeqLoraConfig):
+    """Each task's LoRA rank."""
+
+    method: ClassVar[str] = "per_task"
 
 
 @register
 class PerTask(SeqLora):
     name = "per_task"
+    config_class = PerTaskConfig
     description = "oracle: a fresh LoRA per task on the base model, each task scored with its own adapter"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, config):
+        super().__init__(config)
         self.adapters: List[Dict[str, torch.Tensor]] = []  # task i's LoRA weights (PEFT's state-dict keys)
 
     def end_task(self, model, out, report: Dict):
         """Keep (and save) the task's adapter and return the base model without it."""
         from peft import get_peft_model_state_dict
 
-        self.adapters.append({k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.peft_model).items()})
+        state = get_peft_model_state_dict(self.peft_model)
+        self.adapters.append({k: v.detach().cpu().clone() for k, v in state.items()})
         if out is not None:
             self.peft_model.save_pretrained(out / "adapter")
         model = self.peft_model.unload()
@@ -41,7 +51,7 @@ class PerTask(SeqLora):
             return
         from peft import set_peft_model_state_dict
 
-        scored = add_lora(model, self.rank)
+        scored = add_lora(model, self.config.rank)
         set_peft_model_state_dict(scored, self.adapters[task_index])
         try:
             yield scored

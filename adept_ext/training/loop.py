@@ -1,0 +1,173 @@
+"""The training engine both runners share: evaluation, the optimizer and its schedule, the
+step loop, and `fit_task`, which owns one task's whole block (prepare through `methods.prepare`,
+memory check, shard or wrap, optimizer, resume, checkpoints, the steps, unshard, finish)."""
+import math
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import parallel
+from ..methods.task import Task, prepare
+from ..optim import GroupedAdamW
+from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
+from .device import check_memory
+from .rundir import CHECKPOINT, atomic_write
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, desc="eval", progress=True) -> float:
+    """Token-weighted mean next-token loss on `batches`."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(model(**batch, use_cache=False).loss) * n
+            count += n
+    finally:
+        model.train(was_training)
+    return total / count
+
+
+def schedule(cfg):
+    """The lr factor of step s: linear warmup over `cfg.warmup_steps`, then cosine decay to 0 at `cfg.steps`."""
+    def factor(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def optimizer_for(task: Task, cfg):
+    """AdamW over the task's param groups (`GroupedAdamW`: AdamW's arithmetic, every group in
+    one multi-tensor pass, so ADEPT's per-unit groups cost no extra launches) with warmup +
+    cosine, and the method's step hooks."""
+    optimizer = GroupedAdamW(task.param_groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg))
+    task.attach(optimizer)
+    return optimizer, scheduler
+
+
+class TaskHooks:
+    """What a runner adds to `fit_task` (every hook optional)."""
+
+    def prepared(self, task: Task, n_trainable: int):
+        """After the method prepared the task (log, write what it computed)."""
+
+    def after_step(self, step: int):
+        """After each optimizer step, before a checkpoint (periodic evaluation)."""
+
+    def checkpoint_fields(self) -> Dict:
+        """The runner's own entries of an in-task checkpoint."""
+        return {}
+
+    def trained(self, step: int):
+        """After the last step, on the model as trained (sharded under FSDP2), before finish."""
+
+
+def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
+                desc: str, progress: bool, after_step) -> int:
+    """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
+    batches per step and rank, bf16 autocast when `bf16`, gradient clipping), the loss from
+    `task.loss`; appends the loss (mean over ranks) to `history["train"]` and calls
+    `after_step(step)` after each step. Returns the step. Under data parallelism `model` is the
+    DDP-wrapped model and rank r takes micro-batches r, r + W, … (see `parallel`)."""
+    world, rank = parallel.world_size(), parallel.rank()
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)
+    try:
+        while step < cfg.steps:
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for micro in range(cfg.grad_accum):
+                batch = batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)]
+                batch = {k: v.to(device) for k, v in batch.items()}
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = task.loss(batch, model) / cfg.grad_accum
+                loss.backward()
+                loss_sum += float(loss.detach())
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(task.trainable, cfg.max_grad_norm)
+            note = task.step_note()
+            if note:
+                bar.set_postfix_str(f"{note} …")
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            loss_sum = parallel.mean_over_ranks(loss_sum, device)
+            history["train"].append({"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0]})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_sum:.3f}")
+            after_step(step)
+    finally:
+        bar.close()
+    return step
+
+
+def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, out: Path, desc: str,
+             general_probe, domain_probe=(), task_index: int = 0, diagnosis_batches=None,
+             checkpoint: Optional[Dict] = None,
+             hooks: TaskHooks = TaskHooks(), artifacts: Optional[Path] = None, report: Optional[Dict] = None,
+             progress: bool = True, log=print) -> Dict:
+    """One task, start to finish: `methods.prepare` (the layers of `checkpoint` when resuming
+    inside the task), the memory check for what trains, shard (FSDP2) or wrap (DDP), the
+    optimizer, the state of `checkpoint`, `cfg.steps` steps over `batches(task)` with the
+    losses appended to `history["train"]` (every `cfg.save_every` steps an in-task checkpoint
+    into `out`, `history` in it as "task_history"; Ctrl-C saves one too when it can), unshard,
+    and `task.finish` (plots into `artifacts`, entries into `report`). Returns
+    {"model": the finished model, "task", "step", "trainable": the trainable parameter count}."""
+    main = parallel.is_main()
+    task = prepare(model, method, general_probe=general_probe, domain_probe=domain_probe, lr=cfg.lr,
+                   weight_decay=cfg.weight_decay, total_steps=cfg.steps, seed=cfg.seed, task_index=task_index,
+                   autocast_dtype=torch.bfloat16 if bf16 else None, diagnosis_batches=diagnosis_batches,
+                   layers=checkpoint["layers"] if checkpoint else None, progress=progress, log=log)
+    n_trainable = sum(p.numel() for p in task.trainable)
+    check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
+    hooks.prepared(task, n_trainable)
+    if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
+        task.setup = shard(model, task.setup, bf16)
+        trained = model
+    else:
+        trained = parallel.wrap(model, device)
+    optimizer, scheduler = optimizer_for(task, cfg)
+    step = 0
+    if checkpoint:
+        load_training_state(checkpoint, model, method, optimizer, scheduler, out)
+        step = checkpoint["step"]
+        log(f"resumed {desc} at step {step}")
+
+    def save_checkpoint(done):
+        shards = save_sharded_state(out, done, model, optimizer)  # FSDP2: a collective
+        if not main:
+            return
+        state = {**hooks.checkpoint_fields(), "step": done, "layers": task.layers, "task_history": history,
+                 **shards, **training_state(model, method, optimizer, scheduler)}
+        atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+        remove_stale_shards(out, shards.get("shards", ""))
+
+    def after_step(done):
+        nonlocal step
+        step = done
+        hooks.after_step(done)
+        if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+            save_checkpoint(done)
+
+    model.train()
+    try:
+        train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
+                    progress, after_step)
+    except KeyboardInterrupt:
+        if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
+            log(f"interrupted in {desc} at step {step}: continue from the last checkpoint in {out} with --resume")
+        else:
+            save_checkpoint(step)
+            log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
+        raise
+    hooks.trained(step)
+    parallel.unshard_model(model)  # FSDP2: the whole weights on every rank again (a collective), for finish
+    finished = task.finish(artifacts, report)
+    return {"model": finished, "task": task, "step": step, "trainable": n_trainable}
