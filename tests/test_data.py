@@ -41,18 +41,41 @@ def test_corpus_errors(tmp_path):
         data.load_texts(tmp_path / "bad.jsonl")
 
 
+def expected_blocks(pieces, pad, width):
+    """input_ids, attention_mask and labels of token `pieces`, built here element by element: the
+    piece's tokens then `pad`; mask 1 on the tokens; labels the tokens and -100 at the padding."""
+    rows = [(list(p) + [pad] * (width - len(p)), [1] * len(p) + [0] * (width - len(p)),
+             list(p) + [-100] * (width - len(p))) for p in pieces]
+    return {key: torch.tensor([r[i] for r in rows]) for i, key in enumerate(("input_ids", "attention_mask", "labels"))}
+
+
+def assert_blocks_equal(got, want):
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].tolist() == want[key].tolist(), key
+
+
 def test_packed_blocks_and_labels(tokenizer):
     texts = ["hello world " * 30, "short one", "another text " * 10]
     blocks = data.token_blocks(texts, tokenizer, block_len=16)
-    ids, mask, labels = blocks["input_ids"], blocks["attention_mask"], blocks["labels"]
-    stream = [t for d in tokenizer(texts, add_special_tokens=False)["input_ids"] for t in d + [tokenizer.eos_token_id]]
-    assert ids[mask == 1].tolist() == stream
-    assert (mask[:-1] == 1).all() and (labels[mask == 0] == -100).all() and (labels[mask == 1] == ids[mask == 1]).all()
+    eos = tokenizer.eos_token_id
+    stream = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]]
+    pieces = [stream[i:i + 16] for i in range(0, len(stream), 16)]
+    assert len(stream) % 16 >= 2 and len(pieces[-1]) < 16  # the last block is padded (and kept)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id  # so the labels must keep the real EOS tokens
+    assert_blocks_equal(blocks, expected_blocks(pieces, tokenizer.pad_token_id, 16))
 
 
 def test_unpacked_blocks_pad_each_document(tokenizer):
-    blocks = data.token_blocks(["a b c d e f g h i j k l m n o p q", "x y"], tokenizer, block_len=8, pack=False)
-    assert (blocks["attention_mask"].sum(1) >= 2).all() and (blocks["attention_mask"][:, 0] == 1).all()
+    """Each document is cut on its own into block_len pieces, a piece of fewer than 2 tokens is
+    dropped, and each last piece is right-padded: tokens, mask and labels as built independently."""
+    docs = ["a b c d e f g h i j k l m n o p q", "x y", "one two three four five six seven eight nine ten eleven"]
+    blocks = data.token_blocks(docs, tokenizer, block_len=8, pack=False)
+    ids = [tokenizer(doc, add_special_tokens=False)["input_ids"] for doc in docs]  # one document at a time
+    assert [len(d) % 8 for d in ids] == [1, 2, 3]  # a dropped 1-token tail, a 2-token document, a padded tail
+    pieces = [d[i:i + 8] for d in ids for i in range(0, len(d), 8) if len(d[i:i + 8]) >= 2]
+    assert len(pieces) == len(ids[0]) // 8 + 1 + -(-len(ids[2]) // 8)
+    assert_blocks_equal(blocks, expected_blocks(pieces, data.pad_id(tokenizer), 8))
 
 
 def test_split_is_deterministic_and_disjoint(tokenizer):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from adept_ext import linear_cross_entropy, probe
+from adept_ext import linear_cross_entropy, ops, probe, reference
 from adept_ext.ops import GPU_MIN_CHUNK_ROWS, default_chunk_rows
 from tiny_models import padded_batches, tiny_model
 
@@ -25,12 +25,32 @@ def test_gpu_chunk_is_a_large_gemm(vocab, dtype, rows):
     assert got == rows and got >= GPU_MIN_CHUNK_ROWS and got % 128 == 0
 
 
-def test_default_chunk_gives_the_same_loss_on_cpu():
-    h, w = torch.randn(300, 16), torch.randn(70000, 16)
-    t = torch.randint(0, 70000, (300,))
-    assert default_chunk_rows(70000, "cpu", torch.float32) == 119  # several chunks here
-    torch.testing.assert_close(linear_cross_entropy(h, w, t), linear_cross_entropy(h, w, t, chunk_rows=119),
-                               rtol=0, atol=0)
+def test_default_chunk_gives_the_reference_loss_on_cpu(monkeypatch):
+    """With chunk_rows=None the op takes the documented CPU rule's chunk (2^23 logits: 119 rows at
+    V = 70000, so 300 rows are 3 chunks), its loss is the plain-PyTorch reference's, and any other
+    chunk (one row block of 7, one chunk of all 300 rows) gives the same loss."""
+    vocab, rows = 70000, 300
+    torch.manual_seed(0)
+    h, w = torch.randn(rows, 16), torch.randn(vocab, 16)
+    t = torch.randint(0, vocab, (rows,))
+    t[::7] = -100  # ignored rows in every chunk
+    rule = max(1, ops.CPU_CHUNK_LOGITS // vocab)
+    assert ops.CPU_CHUNK_LOGITS == 1 << 23 and default_chunk_rows(vocab, "cpu", torch.float32) == rule == 119
+    asked = []
+    real = ops.default_chunk_rows
+
+    def spy(*args):
+        asked.append((*args, real(*args)))
+        return asked[-1][-1]
+
+    monkeypatch.setattr(ops, "default_chunk_rows", spy)
+    got = linear_cross_entropy(h, w, t)
+    assert asked == [(vocab, h.device, torch.float32, rule)]  # the rule, for this vocabulary, device and dtype
+    monkeypatch.undo()
+    torch.testing.assert_close(got.double(), reference.linear_cross_entropy(h, w, t), rtol=1e-5, atol=1e-4)
+    assert got[::7].eq(0).all() and got.gt(0).sum() == rows - len(range(0, rows, 7))
+    for chunk in (7, rows):
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk_rows=chunk), got, rtol=1e-6, atol=1e-5)
 
 
 def test_probe_layer_call_size_by_device(monkeypatch):

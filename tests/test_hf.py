@@ -1,10 +1,11 @@
 """ADEPTCallback inside a real transformers.Trainer run on a tiny model."""
+import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
 from adept_ext.expand import expand_layers
 from adept_ext.hf import ADEPTCallback
-from adept_ext.lr import param_groups
+from adept_ext.lr import DecoupledLR, param_groups
 from tiny_models import padded_batches, tiny_model
 
 
@@ -28,16 +29,50 @@ def test_trainer_end_to_end(tmp_path):
     assert any(not torch.equal(p, copies[n]) for n, p in model.named_parameters() if n in copies)
 
 
-def test_recompute_follows_the_trainers_precision(tmp_path):
+@pytest.mark.parametrize("bf16", [True, False])
+def test_recompute_follows_the_trainers_precision(tmp_path, monkeypatch, bf16):
+    """The callback's recompute runs the model's forward under bf16 autocast when args.bf16 is set,
+    in fp32 otherwise, seen only while a recompute runs: the autocast the recompute itself sets up
+    (a pre-hook on the model, outside the forward that accelerate wraps in the Trainer's own autocast
+    under bf16) and the dtype an expanded layer's projection computed in (a forward hook)."""
     model = tiny_model("llama", layers=3)
     expand_layers(model, [1])
     rows = [{k: v[i] for k, v in batch.items()} for batch in padded_batches(n_batches=1) for i in range(3)]
     callback = ADEPTCallback(padded_batches(n_batches=1, seed=5), every=1)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=2, report_to=[],
-                             save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=True)
-    Trainer(model=model, args=args, train_dataset=rows, optimizers=(torch.optim.AdamW(param_groups(model, 1e-3)), None),
-            callbacks=[callback]).train()
-    assert callback.decoupled.importance.autocast_dtype == torch.bfloat16 and callback.decoupled.recomputes == 1
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=bf16)
+    recomputing, asked, seen = [False], [], []
+    real_recompute = DecoupledLR.recompute
+
+    def recompute(self):
+        recomputing[0] = True
+        try:
+            return real_recompute(self)
+        finally:
+            recomputing[0] = False
+
+    monkeypatch.setattr(DecoupledLR, "recompute", recompute)
+    copy = model.model.layers[2].mlp.up_proj  # layer 1's copy: a unit the importance scores
+
+    def computed_in(module, inputs, out):  # returns None: the output is left as it is
+        if recomputing[0]:
+            seen.append(out.dtype)
+
+    def autocast_set_up(module, inputs):
+        if recomputing[0]:
+            asked.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+
+    handles = [copy.register_forward_hook(computed_in), model.register_forward_pre_hook(autocast_set_up)]
+    try:
+        Trainer(model=model, args=args, train_dataset=rows,
+                optimizers=(torch.optim.AdamW(param_groups(model, 1e-3)), None), callbacks=[callback]).train()
+    finally:
+        for h in handles:
+            h.remove()
+    assert callback.decoupled.recomputes == 1  # after step 1; none after the last
+    want = torch.bfloat16 if bf16 else torch.float32
+    assert asked == [want], asked  # one probe batch, one forward
+    assert seen == [want], seen
 
 
 def test_rates_are_applied_by_the_trainers_step_events_not_optimizer_hooks(tmp_path):

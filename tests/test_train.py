@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from adept_ext.cli import main
-from adept_ext.train import METHODS, RunError, config_from, run
+from adept_ext.errors import RunError
+from adept_ext.train import METHODS, config_from, run
 from tiny_models import write_run_workspace
 
 
@@ -167,13 +168,190 @@ def test_empty_corpus_is_an_error(workspace, tmp_path):
     assert not (workspace / "empty").exists()  # nothing written
 
 
-def test_help_documents_every_option(capsys):
+class Opt:
+    """How the tests show an option is wired: `good`, a valid value other than the default, reaches
+    the runner through the option's flag; `bad`, a value that must be refused with an `error` (a
+    part of its message), given the other flags `needs`. `runtime`: refused once the run starts
+    (a path that does not exist), so the real runner runs, on the tiny workspace."""
+
+    def __init__(self, good=None, bad=None, error="", needs=(), runtime=False):
+        self.good, self.bad, self.error, self.needs, self.runtime = good, bad, error, needs, runtime
+
+
+TINY = ("--model", "{tiny}", "--general", "{general}", "--domain", "{domain}", "--block-len", "32")
+DEAL, EOUPCT = ("--method", "deal"), ("--method", "eoupct")
+# Every field of RunConfig and ContinualConfig (continual: CONTINUAL_OPTIONS first). A new option
+# without an entry fails test_every_option_is_tested; None as `good` or `bad`: that half does not apply.
+OPTIONS = {
+    "model": Opt("{tiny}", "{missing}", "is neither an embedded model", runtime=True),
+    "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY, runtime=True),
+    "method": Opt("full", "no_such_method", "unknown method 'no_such_method'"),
+    "k": Opt(2, 0, "k must be >= 1"),
+    "block_len": Opt(64, 1, "block_len must be >= 2"),
+    "batch_size": Opt(2, 0, "batch_size must be >= 1"),
+    "grad_accum": Opt(2, 0, "grad_accum must be >= 1"),
+    "steps": Opt(3, 0, "steps must be >= 1"),
+    "lr": Opt(0.001, 0.0, "lr must be a finite number > 0"),
+    "warmup_steps": Opt(2, -1, "warmup_steps must be >= 0"),
+    "weight_decay": Opt(0.1, -1.0, "weight_decay must be >= 0"),
+    "max_grad_norm": Opt(0.5, -1.0, "max_grad_norm must be >= 0"),
+    "probe_blocks": Opt(2, 0, "probe_blocks must be >= 1"),
+    "eval_blocks": Opt(2, 0, "eval_blocks must be >= 1"),
+    "save_every": Opt(5, -1, "save_every must be >= 0"),
+    "recompute_every": Opt(5, 0, "recompute_every must be >= 1"),
+    "normalize": Opt("per_kind", "bogus", "normalize must be one of"),
+    "lora_rank": Opt(4, 0, "lora_rank must be >= 1", ("--method", "lora")),
+    "seed": Opt(7),  # every int is a seed
+    "bf16": Opt("off", "maybe", "bf16 must be auto, on or off"),
+    "device": Opt("cpu", "tpu", "device", TINY, runtime=True),
+    "parallel": Opt("fsdp2", "bogus", "parallel must be one of"),  # fsdp2: as if under torchrun (2 processes)
+    "resume": Opt(None, True, "holds no adept-ext run"),  # a good --resume needs a stopped run: test_resume_*
+    "overwrite": Opt(True),
+    "data_workers": Opt(2, -1, "data_workers must be >= 0"),
+    "general": Opt("python-docs", "{missing}", "no such file or folder", TINY[:2], runtime=True),
+    "domain": Opt("bbc-news", "{missing}", "no such file or folder", TINY[:4], runtime=True),
+    "layers": Opt("1,2", "x,y", "--layers must be comma-separated layer indices"),
+    "placement": Opt("uniform", "bogus", "placement must be one of"),
+    "eval_every": Opt(5, -1, "eval_every must be >= 0"),
+    "boundary": Opt("auto", "bogus", "boundary must be half, auto or a layer count"),
+    "diagnosis_task": Opt("context", "bogus", "diagnosis_task must be one of"),
+    "diagnosis_queries": Opt(3, 0, "diagnosis_queries must be >= 1"),
+    "streaming": Opt(True),
+    "tasks": Opt("python-docs,bbc-topic", "{missing}", "no such file or folder", TINY[:2], runtime=True),
+    "replay_fraction": Opt(0.5, 0.0, "replay_fraction must be in (0, 1]", ("--method", "replay")),
+    "replay_base": Opt("lora", "bogus", "replay_base must be one of", ("--method", "replay")),
+    "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0", ("--method", "o_lora")),
+    "deal_rank": Opt(4, 0, "deal_rank must be >= 1", DEAL),
+    "deal_filter": Opt("haar", "bogus", "deal_filter must be one of", DEAL),
+    "deal_filter_on": Opt("a", "c", "deal_filter_on must be one of", DEAL),
+    "deal_scales": Opt(2, 0, "deal_scales must be >= 1", DEAL),
+    "deal_lambda1": Opt(0.1, -1.0, "deal_lambda1 must be a finite number >= 0", DEAL),
+    "deal_a": Opt(12.0, 1.0, "deal_a >= deal_b >= 1 is needed", DEAL),
+    "deal_lambda2": Opt(0.1, -1.0, "deal_lambda2 must be a finite number >= 0", DEAL),
+    "deal_b": Opt(3.0, 0.5, "deal_a >= deal_b >= 1 is needed", DEAL),
+    "eoupct_student": Opt("full", "bogus", "eoupct_student must be one of", EOUPCT),
+    "eoupct_rank": Opt(8, 0, "eoupct_rank must be >= 1", EOUPCT),
+    "eoupct_proxy": Opt("embeds", "bogus", "eoupct_proxy must be one of", EOUPCT),
+    "eoupct_proxy_len": Opt(8, 3, "eoupct_proxy_len must be in 4..32", EOUPCT),
+    "eoupct_gen_steps": Opt(4, 0, "eoupct_gen_steps must be >= 1", EOUPCT),
+    "eoupct_tau": Opt(0.5, 0.0, "eoupct_tau must be > 0", EOUPCT),
+    "eoupct_alpha": Opt(0.1, -1.0, "eoupct_alpha must be >= 0", EOUPCT),
+    "eoupct_lambda": Opt(0.2, -1.0, "eoupct_lambda must be >= 0", EOUPCT),
+    "eoupct_proxy_every": Opt(2, 0, "eoupct_proxy_every must be >= 1", EOUPCT),
+    "eoupct_proxy_steps": Opt(2, 0, "eoupct_proxy_steps must be >= 1", EOUPCT),
+    "eoupct_proxy_lr": Opt(0.01, 0.0, "eoupct_proxy_lr must be > 0", EOUPCT),
+    "eoupct_no_virtual": Opt(True),
+    "eoupct_no_conflict": Opt(True),
+    "eoupct_where": Opt("grad", "bogus", "eoupct_where must be one of", EOUPCT),
+    "eoupct_target": Opt("logits", "bogus", "eoupct_target must be one of", EOUPCT),
+    "eoupct_directions": Opt(2, 0, "eoupct_directions must be >= 1", EOUPCT),
+    "eoupct_memory": Opt("gpm", "bogus", "eoupct_memory must be one of", EOUPCT),
+}
+CONTINUAL_OPTIONS = {  # where a task sequence differs: its own methods and defaults
+    "method": Opt("seq_full", "full", "does not learn task sequences"),
+    "k": Opt(3, 0, "k must be >= 1"),
+    "lora_rank": Opt(4, 0, "lora_rank must be >= 1", ("--method", "seq_lora")),
+    "normalize": Opt("per_kind", "bogus", "normalize must be one of", ("--method", "adept_seq")),
+    "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY[:2], runtime=True),
+}
+def option_cases(half: str):
+    from dataclasses import fields
+
+    from adept_ext.continual import ContinualConfig
+    from adept_ext.train import RunConfig
+
+    for command, cls in (("run", RunConfig), ("continual", ContinualConfig)):
+        for f in fields(cls):
+            opt = (CONTINUAL_OPTIONS.get(f.name) if command == "continual" else None) or OPTIONS.get(f.name)
+            if opt is None or getattr(opt, half) is not None:
+                yield pytest.param(command, f, opt, id=f"{command}-{f.name}")
+
+
+def test_every_option_is_tested():
+    missing = sorted({p.id for half in ("good", "bad") for p in option_cases(half) if p.values[2] is None})
+    assert not missing, f"options without an entry in OPTIONS (tests/test_train.py): {missing}"
+    tested = {p.values[1].name for half in ("good", "bad") for p in option_cases(half)}
+    assert set(OPTIONS) | set(CONTINUAL_OPTIONS) == tested  # and no entry for an option that is gone
+
+
+def _argv(flag, value, paths):
+    if value is True:
+        return [flag]
+    return [flag, str(value).format(**paths)]
+
+
+@pytest.fixture
+def paths(workspace, tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    return {"tiny": str(workspace / "tiny"), "general": str(workspace / "general"),
+            "domain": str(workspace / "domain.jsonl"), "missing": str(tmp_path / "missing"),
+            "file": str(tmp_path / "a-file"), "tmp": str(tmp_path)}
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    """The runners replaced by one that records the config it is given (and runs nothing)."""
+    import adept_ext.cli as cli
+    import adept_ext.continual as continual_module
+    import adept_ext.train as train_module
+
+    given = []
+
+    def record(cfg, progress=True, log=print):
+        given.append(cfg)
+        return {}
+
+    for module in (train_module, continual_module, cli):
+        if hasattr(module, "run"):
+            monkeypatch.setattr(module, "run", record)
+    return given
+
+
+@pytest.mark.parametrize("command,field,opt", list(option_cases("good")))
+def test_help_documents_every_option(command, field, opt, paths, runner, monkeypatch, capsys):
+    """Every option has a flag in its command's help, with its default; its flag's value reaches the runner."""
+    import adept_ext.parallel
+
+    assert opt is not None, f"no entry for option {field.name} in OPTIONS (tests/test_train.py)"
+    if field.name == "parallel":
+        monkeypatch.setattr(adept_ext.parallel, "launched_world", lambda: 2)  # fsdp2 is refused outside torchrun
+    flag = "--" + field.name.replace("_", "-")
     with pytest.raises(SystemExit):
-        main(["run", "--help"])
-    text = capsys.readouterr().out
-    for flag in ("--method", "--k", "--lr", "--steps", "--resume", "--overwrite", "--config", "--recompute-every"):
-        assert flag in text
-    assert "(default: adept)" in text and "(default: 0.0003)" in text
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert f" {flag} " in text
+    if not isinstance(field.default, bool):  # a bool option is a switch
+        assert f"(default: {field.default})" in text.split(f" {flag} ", 1)[1]
+    good = opt.good.format(**paths) if isinstance(opt.good, str) else opt.good
+    assert good != field.default
+    out = paths["tmp"] + "/out"
+    assert main([command, "--out", out, "--no-progress", *_argv(flag, opt.good, paths)]) == 0
+    assert len(runner) == 1 and getattr(runner[0], field.name) == good
+
+
+@pytest.mark.parametrize("command,field,opt", list(option_cases("bad")))
+def test_every_option_refuses_a_bad_value(command, field, opt, paths, monkeypatch, capsys):
+    """A bad value of every option is one error line that says what is wrong, before anything is written."""
+    from pathlib import Path
+
+    import adept_ext.cli as cli
+    import adept_ext.continual as continual_module
+    import adept_ext.train as train_module
+
+    assert opt is not None, f"no entry for option {field.name} in OPTIONS (tests/test_train.py)"
+    if not opt.runtime:  # refused while the options are checked: no runner may start
+        def started(cfg, *args, **kwargs):
+            raise AssertionError(f"the run started with {field.name} = {getattr(cfg, field.name)!r}")
+
+        for module in (train_module, continual_module, cli):
+            if hasattr(module, "run"):
+                monkeypatch.setattr(module, "run", started)
+    out = paths["tmp"] + "/out"
+    needs = [a.format(**paths) for a in opt.needs]
+    argv = [command, "--out", out, "--no-progress", *needs, *_argv("--" + field.name.replace("_", "-"), opt.bad, paths)]
+    assert main(argv) == 2  # the last --out is the one that counts
+    assert opt.error in capsys.readouterr().err
+    assert not Path(out).exists() and Path(paths["file"]).read_text() == "not a directory"
 
 
 def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspace, monkeypatch, capsys):
@@ -209,7 +387,7 @@ def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspac
 
 
 def test_a_run_stopped_before_its_first_checkpoint_says_what_works(workspace, capsys):
-    from adept_ext.rundir import prepare_out
+    from adept_ext.training import prepare_out
 
     cfg = options(workspace, "crashed")
     prepare_out(cfg, "run")  # what a run writes first; then it died
@@ -284,23 +462,23 @@ def test_bad_values_are_refused_before_anything_is_loaded_or_written(tmp_path, c
 
 
 def test_memory_estimate_counts_only_what_trains(workspace):
-    from adept_ext.train import _check_memory
+    from adept_ext.training import check_memory
 
     model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
     cfg = options(workspace, "memory")
-    _check_memory(cfg, model, trainable=sum(p.numel() for p in model.parameters()))
+    check_memory(cfg, model, trainable=sum(p.numel() for p in model.parameters()))
     with pytest.raises(RunError, match=r"optimizer [0-9.]+, activations .* train fewer parameters"):
-        _check_memory(cfg, model, trainable=10**12)
+        check_memory(cfg, model, trainable=10**12)
 
     def estimate(part, **kw):
         with pytest.raises(RunError) as e:
-            _check_memory(**kw)
+            check_memory(**kw)
         return float(re.search(part + r" ([0-9.]+)", str(e.value)).group(1))
 
     huge = options(workspace, "memory", batch_size=10**6)
     fp32 = estimate("activations", cfg=huge, model=model)
     assert estimate("activations", cfg=huge, model=model, bf16=True) == pytest.approx(fp32 / 2, rel=1e-2)
-    assert "lower --batch-size" in str(pytest.raises(RunError, _check_memory, huge, model).value)
+    assert "lower --batch-size" in str(pytest.raises(RunError, check_memory, huge, model).value)
     whole = estimate("optimizer", cfg=cfg, model=model, trainable=10**12)  # 12 bytes per trainable parameter
     assert whole == pytest.approx(10**12 * 12 / 2**30, rel=1e-2)
     assert estimate("optimizer", cfg=cfg, model=model, trainable=10**12, shards=4) == pytest.approx(whole / 4, rel=1e-2)
@@ -338,7 +516,7 @@ def test_only_the_librarys_own_input_errors_become_one_line(workspace, monkeypat
     """A ValueError from a bug (here planted in the corpus loading) keeps its traceback; the
     library's input errors (InputError, a ValueError too) are one line."""
     import adept_ext.train as train_module
-    from adept_ext.rundir import InputError
+    from adept_ext.errors import InputError
 
     argv = ["run", "--out", str(workspace / "bug"), "--model", str(workspace / "tiny"), "--general",
             str(workspace / "general"), "--domain", str(workspace / "domain.jsonl"), "--no-progress"]
