@@ -1,4 +1,5 @@
-"""The README's Python code runs as written: its ```python blocks, in order, as one session.
+"""The documentation's Python code runs as written: the ```python blocks of README.md, and of
+docs/api.md, each page in order as one session.
 
 `load_model("smollm2-135m")` is replaced by a tiny random Llama with the real SmolLM2 tokenizer,
 so the blocks run in seconds; everything else (data, probe, expansion, training loop,
@@ -9,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from adept_ext import models
 from tiny_models import tiny_model
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README, API = ROOT / "README.md", ROOT / "docs" / "api.md"
 
 
 def python_blocks(markdown: str):
@@ -37,16 +39,27 @@ def test_python_blocks_are_found():
     assert blocks == ["a = 1\n", "b = a\n"]
 
 
-def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch, tiny_embedded_model):
-    blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 5, "the README's API section has lost its Python examples"
-    monkeypatch.chdir(tmp_path)  # the blocks write layers.json, expanded/, diagnosis.png, ...
-    session = {"__name__": "__readme__"}
-    for i, code in enumerate(blocks, 1):
+def run_blocks(page: Path, session: dict):
+    for i, code in enumerate(python_blocks(page.read_text()), 1):
         try:
-            exec(compile(code, f"README.md python block {i}", "exec"), session)
+            exec(compile(code, f"{page.name} python block {i}", "exec"), session)
         except Exception as e:  # noqa: BLE001 — name the block, not only the line
-            pytest.fail(f"README python block {i} does not run: {type(e).__name__}: {e}\n{code}")
+            pytest.fail(f"{page.name} python block {i} does not run: {type(e).__name__}: {e}\n{code}")
+    return session
+
+
+def test_readme_quickstart_runs_as_written(tmp_path, monkeypatch, tiny_embedded_model):
+    monkeypatch.chdir(tmp_path)
+    session = run_blocks(README, {"__name__": "__readme__"})
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapted")
+    assert reloaded.config.num_hidden_layers == 6 + 4  # ADEPT's k = 4 copies, saved as a plain HF model
+    assert reloaded.config.adept["expanded_layers"] == session["model"].config.adept["expanded_layers"]
+
+
+def test_api_python_blocks_run_as_written(tmp_path, monkeypatch, tiny_embedded_model):
+    assert len(python_blocks(API.read_text())) >= 6, "docs/api.md has lost its Python examples"
+    monkeypatch.chdir(tmp_path)  # the blocks write layers.json, expanded/, diagnosis.png, ...
+    session = run_blocks(API, {"__name__": "__api__"})
     # The blocks did what their comments say.
     assert (tmp_path / "layers.png").exists() and (tmp_path / "diagnosis.json").exists()
     assert (tmp_path / "expanded" / "config.json").exists()
