@@ -29,9 +29,10 @@ class MethodCallback(TrainerCallback, ExportableState):
     When training begins the method's optimizer-step hooks go on the Trainer's torch optimizer
     (ADEPT's per-unit rates, EoupCT's projection); `compute_loss` is Hugging Face's causal-LM loss
     plus the method's penalty (O-LoRA, DEAL). The method's state travels in the Trainer's
-    checkpoints (`ExportableState`, in trainer_state.json): on `resume_from_checkpoint` the Trainer
-    rebuilds this callback from its `name` (the task registered under it) and the saved state is
-    loaded before the first step."""
+    checkpoints (`ExportableState`, in trainer_state.json): on `resume_from_checkpoint` with
+    `TrainingArguments(restore_callback_states_from_checkpoint=True)` the Trainer rebuilds this
+    callback from its `name` (the task registered under it) and the saved state is loaded before
+    the first step."""
 
     _tasks: Dict[str, Task] = {}
 
@@ -67,7 +68,7 @@ class MethodCallback(TrainerCallback, ExportableState):
                 "attributes": {"saved_state": base64.b64encode(buffer.getvalue()).decode("ascii")}}
 
 
-class ADEPTCallback(TrainerCallback):
+class ADEPTCallback(TrainerCallback, ExportableState):
     """Attaches `DecoupledLR` to the Trainer's optimizer when training starts, recomputes the
     unit importance every `every` optimizer steps, and logs the per-unit rates.
 
@@ -79,14 +80,38 @@ class ADEPTCallback(TrainerCallback):
     The multipliers are applied by the Trainer's own `on_pre_optimizer_step`/`on_optimizer_step`
     events around its optimizer step (`DecoupledLR(hooks=False)`), not by the torch optimizer's
     step hooks, so an optimizer wrapper that never runs those hooks (DeepSpeed, FSDP's) works too.
+    The rates' state (scores, step and recompute counts) travels in the Trainer's checkpoints
+    (`ExportableState`): on `resume_from_checkpoint` with
+    `TrainingArguments(restore_callback_states_from_checkpoint=True)` the Trainer rebuilds the
+    callback from its `name` (the probe batches and rates registered under it) and the saved
+    rates continue.
     """
 
-    def __init__(self, probe_batches, every: int = 100, mode: str = "abs", normalize: str = "rank",
-                 floor: float = 0.1, autocast_dtype="auto"):
-        self.probe_batches = list(probe_batches)
+    _live: Dict[str, "ADEPTCallback"] = {}
+
+    def __init__(self, probe_batches=None, every: int = 100, mode: str = "abs", normalize: str = "rank",
+                 floor: float = 0.1, autocast_dtype="auto", name: str = "adept"):
+        if probe_batches is None:  # rebuilt by the Trainer from a checkpoint: the live one's batches and rates
+            if name not in ADEPTCallback._live:
+                raise ValueError(f"ADEPTCallback {name!r}: pass probe_batches (no callback was registered under "
+                                 "this name)")
+            live = ADEPTCallback._live[name]
+            self.probe_batches, self.decoupled = live.probe_batches, live.decoupled
+        else:
+            self.probe_batches, self.decoupled = list(probe_batches), None
         self.every, self.mode, self.normalize, self.floor = every, mode, normalize, floor
-        self.autocast_dtype = autocast_dtype
-        self.decoupled = None
+        self.autocast_dtype = getattr(torch, autocast_dtype) if autocast_dtype in ("bfloat16", "float16") \
+            else autocast_dtype
+        self.name, self.saved_rates = name, None
+        ADEPTCallback._live[name] = self
+
+    def state(self) -> Dict:
+        dtype = self.autocast_dtype
+        return {"args": {"every": self.every, "mode": self.mode, "normalize": self.normalize, "floor": self.floor,
+                         "autocast_dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+                         "name": self.name},
+                "attributes": {"saved_rates": None if self.decoupled is None else
+                               {**self.decoupled.state_dict(), "scores": [float(s) for s in self.decoupled.scores]}}}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
@@ -100,6 +125,9 @@ class ADEPTCallback(TrainerCallback):
                                      autocast_dtype=None)  # the importance's, from args (accelerate wraps forward)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.saved_rates is not None:  # restored from a checkpoint by the Trainer (after on_train_begin)
+            self.decoupled.load_state_dict(self.saved_rates)
+            self.saved_rates = None
         self.decoupled.step_begin()
 
     def on_optimizer_step(self, args, state, control, **kwargs):

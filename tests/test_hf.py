@@ -1,10 +1,12 @@
 """ADEPTCallback inside a real transformers.Trainer run on a tiny model."""
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from adept_ext.expand import expand_layers
-from adept_ext.hf import ADEPTCallback
+import adept_ext
+from adept_ext.hf import ADEPTCallback, MethodCallback
+from adept_ext.methods import AdeptConfig
 from adept_ext.lr import DecoupledLR, param_groups
 from tiny_models import padded_batches, tiny_model
 
@@ -108,3 +110,72 @@ def test_rates_are_applied_by_the_trainers_step_events_not_optimizer_hooks(tmp_p
     for lrs, m in zip(seen, multipliers):
         assert lrs == [1e-3 * x for x in m]
     assert all(g["lr"] == 1e-3 for g in optimizer.param_groups)  # restored after the last step
+
+
+def _resumable_trainer(model, out, callback, stop_at=None, groups=None, compute_loss=None):
+    """A Trainer over the same 12 rows in order, checkpointing every 2 of its 4 steps; it stops
+    after step `stop_at` (a kill after a checkpoint) when given."""
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_training_stop = True
+
+    rows = [{k: v[i] for k, v in batch.items()} for batch in padded_batches(n_batches=4) for i in range(3)]
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=3, max_steps=4, learning_rate=1e-3,
+                             save_strategy="steps", save_steps=2, restore_callback_states_from_checkpoint=True,
+                             train_sampling_strategy="sequential", report_to=[], use_cpu=True, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback, Stop()],
+                   optimizers=(torch.optim.AdamW(groups or param_groups(model, 1e-3)), None),
+                   compute_loss_func=compute_loss)
+
+
+def _expanded():
+    model = tiny_model("llama", layers=3)
+    expand_layers(model, [1])
+    return model
+
+
+def test_a_resumed_trainer_continues_the_rates(tmp_path):
+    """ADEPTCallback's rates travel in the Trainer's checkpoints: killed after the step-2 checkpoint
+    and resumed from it, the run ends with the uninterrupted run's rates, counts and weights."""
+    probe = padded_batches(n_batches=1, seed=5)
+    whole_model = _expanded()
+    whole = ADEPTCallback(probe, every=3, name="whole")
+    _resumable_trainer(whole_model, tmp_path / "whole", whole).train()
+
+    killed = ADEPTCallback(probe, every=3, name="killed")
+    _resumable_trainer(_expanded(), tmp_path / "killed", killed, stop_at=2).train()
+    resumed_model = _expanded()
+    trainer = _resumable_trainer(resumed_model, tmp_path / "killed", ADEPTCallback(probe, every=3, name="killed"))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "killed" / "checkpoint-2"))
+    (resumed,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, ADEPTCallback)]
+    assert resumed.decoupled.steps == whole.decoupled.steps == 4
+    assert resumed.decoupled.recomputes == whole.decoupled.recomputes == 1  # at step 3: after the resume
+    assert resumed.decoupled.scores == pytest.approx(whole.decoupled.scores, rel=1e-6)
+    for (name, a), b in zip(whole_model.named_parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_resumed_trainer_continues_any_methods_state(tmp_path):
+    """MethodCallback: the method's state (here ADEPT's rates) travels in the Trainer's checkpoints."""
+    probe = padded_batches(n_batches=1, seed=5)
+
+    def prepared(name):
+        method = adept_ext.get_method(AdeptConfig(k=1, recompute_every=3))
+        task = adept_ext.prepare(tiny_model("llama", layers=3), method, general_probe=probe, lr=1e-3, total_steps=4,
+                                 progress=False)
+        callback = MethodCallback(task, name=name)
+        return task, callback, dict(groups=task.param_groups, compute_loss=callback.compute_loss)
+
+    whole, callback, kw = prepared("whole")
+    _resumable_trainer(whole.model, tmp_path / "whole", callback, **kw).train()
+    killed, callback, kw = prepared("killed")
+    _resumable_trainer(killed.model, tmp_path / "killed", callback, stop_at=2, **kw).train()
+    resumed, callback, kw = prepared("killed")
+    _resumable_trainer(resumed.model, tmp_path / "killed", callback, **kw).train(
+        resume_from_checkpoint=str(tmp_path / "killed" / "checkpoint-2"))
+    a, b = whole.method.decoupled, resumed.method.decoupled
+    assert (b.steps, b.recomputes) == (a.steps, a.recomputes) == (4, 1)
+    assert b.scores == pytest.approx(a.scores, rel=1e-6)
+    for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
