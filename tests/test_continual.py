@@ -131,7 +131,8 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
         run(options(workspace, f"killed-{method}", method=method, steps=4), progress=False, log=quiet)
     assert (workspace / f"killed-{method}" / "checkpoint.pt").exists()
     monkeypatch.setattr(loop_module, "train_steps", real)
-    resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True), progress=False, log=quiet)
+    resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True),
+                  progress=False, log=quiet)
     flat = lambda m: [v for row in m for v in row]  # noqa: E731
     assert flat(resumed["matrix"]) == pytest.approx(flat(full["matrix"]), rel=1e-5)
     assert resumed["general_loss"] == pytest.approx(full["general_loss"], rel=1e-5)
@@ -154,7 +155,8 @@ def test_text_tasks_are_memory_mapped_views_with_the_in_memory_blocks_and_split(
     tokenizer = load_model(workspace / "tiny")[1]
     docs, = load_tasks(str(workspace / "docs.txt"), tokenizer, 32, seed=3)
     assert isinstance(docs.train.source.stream, np.memmap)
-    train, held = data.split_blocks(data.token_blocks(data.load_texts(str(workspace / "docs.txt")), tokenizer, 32), 0.1, 3)
+    train, held = data.split_blocks(data.token_blocks(data.load_texts(str(workspace / "docs.txt")), tokenizer, 32),
+                                    0.1, 3)
     for view, tensors in ((docs.train, train), (docs.held, held)):
         assert len(view) == tensors["input_ids"].shape[0]
         assert all(torch.equal(view.tensors()[k], tensors[k]) for k in tensors)
@@ -202,8 +204,8 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(workspace, tmp_path, c
     (tmp_path / "empty.txt").write_text("  ")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
     (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "x", "answer": "y"}) + "\n")
-    names = {"EMPTY": str(tmp_path / "empty.txt"), "BAD": str(tmp_path / "bad.jsonl"), "ONE": str(tmp_path / "one.jsonl"),
-             "DUP": f"{workspace / 'docs.txt'},{workspace / 'docs.txt'}"}
+    names = {"EMPTY": str(tmp_path / "empty.txt"), "BAD": str(tmp_path / "bad.jsonl"),
+             "ONE": str(tmp_path / "one.jsonl"), "DUP": f"{workspace / 'docs.txt'},{workspace / 'docs.txt'}"}
     change = {k: names.get(v, v) if isinstance(v, str) else v for k, v in change.items()}
     out = tmp_path / "o"
     argv = ["continual", "--model", str(workspace / "tiny"), "--general", str(workspace / "general"),

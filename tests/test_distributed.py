@@ -86,7 +86,8 @@ def _projection_ddp_worker(rank, world, init_file, result_file):
             ddp(torch.randn(16, 6)).pow(2).mean().backward()
             opt.step()
         delta = [p.detach() - b for p, b in zip(params, before)]
-        torch.save({"params": [p.detach() for p in params], "err": mem.orthogonality_error(delta)}, f"{result_file}.{rank}")
+        torch.save({"params": [p.detach() for p in params], "err": mem.orthogonality_error(delta)},
+                   f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -222,7 +223,8 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
     _assert_like_one_process(_run_ranks({**options, "out": str(tmp_path / "ddp")}, tmp_path), single)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
     assert not any("lora" in n for n, _ in saved.named_parameters())
-    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in (tmp_path / "single").iterdir())
+    assert (sorted(p.name for p in (tmp_path / "ddp").iterdir())
+            == sorted(p.name for p in (tmp_path / "single").iterdir()))
 
 
 def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path):

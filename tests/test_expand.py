@@ -25,7 +25,8 @@ def test_expansion_preserves_function_and_bookkeeping(arch, tmp_path):
     assert adept["source_layers_before_expansion"] == [0, 2]
     assert [l.self_attn.layer_idx for l in model.model.layers] == list(range(6))
     if types_before:
-        assert model.config.layer_types == [types_before[0]] * 2 + [types_before[1]] + [types_before[2]] * 2 + [types_before[3]]
+        assert model.config.layer_types == ([types_before[0]] * 2 + [types_before[1]]
+                                            + [types_before[2]] * 2 + [types_before[3]])
     if arch == "qwen2":  # layers >= max_window_layers slide: the threshold moves with the inserted copy of layer 0
         assert model.config.max_window_layers == 3
     # copies: own storage, zeroed output projections; everything else frozen

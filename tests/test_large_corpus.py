@@ -2,7 +2,6 @@
 path's, the caches are keyed by the files' contents, streaming reads blocks in corpus order, and
 bad corpora are clear errors."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -30,7 +29,8 @@ def folder(tmp_path):
     texts = data.load_texts("python-docs")[:5]
     (root / "a.txt").write_text(texts[0])
     (root / "b.md").write_text(texts[1])
-    (root / "sub" / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in (texts[2], "   ", texts[3])) + "\n\n")
+    (root / "sub" / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in (texts[2], "   ", texts[3]))
+                                          + "\n\n")
     (root / "sub" / "d.txt").write_text(texts[4])
     (root / "empty.txt").write_text("\n")
     (root / "ignored.csv").write_text("not,a,corpus")
@@ -63,7 +63,8 @@ def test_saved_dataset_equals_its_texts_and_needs_a_text_column(tokenizer, tmp_p
     import datasets
 
     texts = data.load_texts("python-docs")[:7]
-    datasets.Dataset.from_dict({"text": texts[:3] + [" "] + texts[3:], "id": list(range(8))}).save_to_disk(tmp_path / "saved")
+    datasets.Dataset.from_dict({"text": texts[:3] + [" "] + texts[3:], "id": list(range(8))}).save_to_disk(
+        tmp_path / "saved")
     blocks = data.corpus_blocks(str(tmp_path / "saved"), tokenizer, 50)
     _equal(blocks.rows(range(len(blocks))), data.token_blocks(texts, tokenizer, 50))
     datasets.Dataset.from_dict({"body": texts}).save_to_disk(tmp_path / "no-text")

@@ -45,7 +45,8 @@ def test_logit_lens_equals_naive_reference(arch):
     assert lens.ratio == pytest.approx([(p - q) / (q + 1e-6) for p, q in zip(lens.p_task, before)])
     assert lens.execution_layers == [i for i, r in enumerate(lens.ratio) if r > 0]
     particle = lens.task_particle
-    assert lens.p_task[particle] >= 0.5 * lens.p_task[-1] and all(p < 0.5 * lens.p_task[-1] for p in lens.p_task[:particle])
+    assert (lens.p_task[particle] >= 0.5 * lens.p_task[-1]
+            and all(p < 0.5 * lens.p_task[-1] for p in lens.p_task[:particle]))
 
 
 @pytest.mark.parametrize("arch,attn,max_tokens", [(a, "sdpa", 10**6) for a in ARCHS] +

@@ -66,7 +66,8 @@ def test_large_logits_are_stable(device):
     hidden = hidden * 1000
     got = linear_cross_entropy(hidden, weight, targets)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), reference.linear_cross_entropy(hidden, weight, targets), rtol=1e-5, atol=1e-2)
+    torch.testing.assert_close(got.double(), reference.linear_cross_entropy(hidden, weight, targets),
+                               rtol=1e-5, atol=1e-2)
 
 
 def lowprec_ok(got, hidden, weight, targets, rows=slice(None)):

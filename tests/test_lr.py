@@ -61,7 +61,8 @@ def test_composes_with_a_scheduler():
     for step in range(3):
         assert all(g["lr"] == pytest.approx(1e-2 * 0.5 ** step) for g in opt.param_groups)
         rates = dec.rates()
-        assert all(rates[u.name] == pytest.approx(1e-2 * 0.5 ** step * m) for u, m in zip(dec.importance.units, dec.multipliers))
+        assert all(rates[u.name] == pytest.approx(1e-2 * 0.5 ** step * m)
+                   for u, m in zip(dec.importance.units, dec.multipliers))
         train_step(model, opt, batch)
         sched.step()
 

@@ -51,7 +51,8 @@ def test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, foreach, d
             opt.step()
     for a, b in zip(ours.param_groups, ref.param_groups):
         for p, q in zip(a["params"], b["params"]):
-            if foreach is None and device == "cpu" and p.dtype == torch.float16:  # CPU for-loop AdamW: own fp16 rounding
+            # CPU for-loop AdamW: own fp16 rounding
+            if foreach is None and device == "cpu" and p.dtype == torch.float16:
                 torch.testing.assert_close(p, q, rtol=2e-3, atol=2e-3)
                 continue
             assert torch.equal(p, q)

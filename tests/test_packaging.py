@@ -7,7 +7,8 @@ NEEDS = {r"^\s*import tomllib|^\s*from tomllib": (3, 11), r"zip\([^)]*strict=": 
 
 
 def test_python_requires_is_the_real_floor():
-    floor = tuple(int(x) for x in re.search(r'python_requires=">=(\d+)\.(\d+)"', (ROOT / "setup.py").read_text()).groups())
+    floor = tuple(int(x) for x in re.search(r'python_requires=">=(\d+)\.(\d+)"',
+                                            (ROOT / "setup.py").read_text()).groups())
     sources = "\n".join(p.read_text() for p in (ROOT / "adept_ext").rglob("*.py"))
     needed = max((version for pattern, version in NEEDS.items() if re.search(pattern, sources, flags=re.M)),
                  default=(3, 8))

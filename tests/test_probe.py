@@ -58,7 +58,8 @@ def test_block_influence_matches_definition():
     batch = padded_batches(n_batches=1)[0]
     scores = layer_importance(model, [batch], method="block_influence", progress=False)
     ins = []
-    hooks = [l.register_forward_hook(lambda m, a, kw, o: ins.append((a[0] if a else kw["hidden_states"], o)), with_kwargs=True)
+    hooks = [l.register_forward_hook(lambda m, a, kw, o: ins.append((a[0] if a else kw["hidden_states"], o)),
+                                     with_kwargs=True)
              for l in model.model.layers]
     with torch.no_grad():
         model(**batch)

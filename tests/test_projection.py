@@ -268,7 +268,8 @@ def test_opcheck(device):
     (lambda q, g: null_space_coeffs(q, g[:1] + [None] + g[2:]), ValueError, r"grads\[1\] is None"),
     (lambda q, g: null_space_coeffs(q, g[:1] + [g[1].to("meta")] + g[2:]), ValueError, r"grads\[1\] is on meta"),
     (lambda q, g: null_space_apply_(q, g, torch.zeros(3)), ValueError, "float64"),
-    (lambda q, g: null_space_apply_(q, [g[0].t()] + g[1:], torch.zeros(2, dtype=torch.float64)), ValueError, "contiguous"),
+    (lambda q, g: null_space_apply_(q, [g[0].t()] + g[1:], torch.zeros(2, dtype=torch.float64)),
+     ValueError, "contiguous"),
     (lambda q, g: conflict_correct_(g, g[:2]), ValueError, "equal length"),
     (lambda q, g: conflict_correct_(g, [g[1]] + g[1:]), ValueError, r"g_new\[0\] has shape"),
 ])

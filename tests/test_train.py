@@ -64,7 +64,8 @@ def test_adept_keeps_original_weights_frozen(workspace):
 def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, method, streaming):
     """Also with --streaming: the resumed run reads the stream from the start up to its step."""
     run_name = method + ("-streaming" if streaming else "")
-    full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming),
+    full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, method=method,
+                       streaming=streaming),
                progress=False, log=lambda *a: None)
     import adept_ext.train as train_module
 
@@ -87,13 +88,15 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
                           resume=True), progress=False, log=lambda *a: None)
     assert resumed["final"]["domain_loss"] == pytest.approx(full["final"]["domain_loss"], rel=1e-5)
     assert resumed["final"]["general_loss"] == pytest.approx(full["final"]["general_loss"], rel=1e-5)
-    assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx([h["loss"] for h in full["history"]["train"]], rel=1e-5)
+    assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(
+        [h["loss"] for h in full["history"]["train"]], rel=1e-5)
 
 
 def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys):
     cfg = tmp_path / "run.toml"
     opts = options(workspace, "cli")
-    cfg.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in vars(opts).items() if k not in ("resume", "overwrite")))
+    cfg.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in vars(opts).items()
+                             if k not in ("resume", "overwrite")))
     assert main(["run", "--config", str(cfg), "--method", "freeze_deep", "--no-progress"]) == 0
     report = json.loads((workspace / "cli" / "report.json").read_text())
     assert report["method"] == "freeze_deep" and report["config"]["block_len"] == 32

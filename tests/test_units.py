@@ -87,7 +87,8 @@ def test_scores_match_naive_and_leave_grads_untouched(mode):
     imp = UnitImportance(model, batches, mode=mode)
     got = imp.raw_scores()
     want = naive_unit_scores(model, batches, [u.name for u in imp.units], mode)
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-4, atol=1e-9)
     assert all((p.grad == 7).all() for p in model.parameters() if p.requires_grad)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 

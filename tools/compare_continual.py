@@ -130,7 +130,8 @@ def write_results(args, extra, seeds, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"budget": budget, "methods": rows}, indent=2))
     names = [f"{t['name']} ({t['metric']})" for t in tasks]
-    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"mean over seeds {', '.join(map(str, seeds))} (each seed's value in brackets)"
+    seed_text = (f"seed {seeds[0]}" if len(seeds) == 1
+                 else f"mean over seeds {', '.join(map(str, seeds))} (each seed's value in brackets)")
     lines = ["# Continual-learning comparison", "",
              f"SmolLM2-135M learns {' → '.join(budget['tasks'])} in order; {args.steps} AdamW steps of 4 x 128 tokens "
              f"per task, lr {args.lr} (warmup + cosine per task), {seed_text}"
@@ -142,7 +143,8 @@ def write_results(args, extra, seeds, rows):
              "ablations of the method.", "",
              "| method | seeds | AA | BWT | FWT | general forgetting | trainable per task | wall s |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {', '.join(str(s['seed']) for s in r['seeds'])} | {_with_seeds(r, 'AA', lambda v: f'{v:.4f}')} | {_with_seeds(r, 'BWT', _signed)} | "
+    lines += [f"| {r['label']} | {', '.join(str(s['seed']) for s in r['seeds'])} | "
+              f"{_with_seeds(r, 'AA', lambda v: f'{v:.4f}')} | {_with_seeds(r, 'BWT', _signed)} | "
               f"{_with_seeds(r, 'FWT', _signed)} | {_with_seeds(r, 'general_forgetting', _signed)} | "
               f"{', '.join(f'{n / 1e6:.2f}M' for n in r['trainable_parameters'])} | {r['wall_seconds']:.0f} |"
               for r in rows]

@@ -62,19 +62,22 @@ def run_one(method: str, steps: int, lr: float, seed: int, k: int, extra: Dict[s
 
 def write_results(args, rows):
     budget = {"steps": args.steps, "batch": "4 x 128 tokens", "tokens": args.steps * 4 * 128, "lr": args.lr,
-              "seed": args.seed, "k": args.k, **args.extra, "model": "smollm2-135m", "general": "bbc-news", "domain": "python-docs"}
+              "seed": args.seed, "k": args.k, **args.extra, "model": "smollm2-135m", "general": "bbc-news",
+              "domain": "python-docs"}
     path = Path(args.results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"budget": budget, "methods": rows}, indent=2))
     lines = ["# Method comparison on the embedded default", "",
              f"SmolLM2-135M, general = BBC News (held out), domain = Python docs (held out); {args.steps} steps of "
-             f"4 x 128 tokens ({budget['tokens']} tokens), AdamW lr {args.lr} (warmup + cosine), seed {args.seed}, k = {args.k}"
+             f"4 x 128 tokens ({budget['tokens']} tokens), AdamW lr {args.lr} (warmup + cosine), seed {args.seed}, "
+             f"k = {args.k}"
              + "".join(f", {key} = {value}" for key, value in args.extra.items()) + ".",
-             "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is better).", "",
+             "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is "
+             "better).", "",
              "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | layers |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['general_delta']:+.4f} | {r['domain_delta']:+.4f} | {r['trainable_fraction']:.1%} | "
-              f"{r['wall_seconds']} | {r['layers']} |" for r in rows]
+    lines += [f"| {r['method']} | {r['general_delta']:+.4f} | {r['domain_delta']:+.4f} | "
+              f"{r['trainable_fraction']:.1%} | {r['wall_seconds']} | {r['layers']} |" for r in rows]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

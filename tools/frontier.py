@@ -11,7 +11,8 @@ docs/results/frontier.md/.json and frontier.png (general Δloss = forgetting on 
 Points already in docs/results/compare*.json with identical settings are reused, not rerun
 (the runner is deterministic on the CPU); finished points in --out, and the points of an earlier
 frontier JSON at --results with the same budget, are reused too, so an interrupted frontier
-resumes and `--collect` redraws the table and figure from the JSON alone. `--shard I/N` runs every N-th point (parallel lanes);
+resumes and `--collect` redraws the table and figure from the JSON alone.
+`--shard I/N` runs every N-th point (parallel lanes);
 `--collect` runs nothing and tabulates what exists. About 4 minutes per point on 2 CPU cores.
 """
 import argparse
@@ -90,7 +91,8 @@ def main():
     parser.add_argument("--reuse", default="docs/results/compare*.json", help="glob of earlier comparison JSONs")
     parser.add_argument("--out", default="runs/frontier", help="run directories (one per point)")
     parser.add_argument("--results", default="docs/results/frontier", help="path prefix of .md, .json and .png")
-    parser.add_argument("--shard", default="0/1", help="I/N: run only every N-th point to run, from the I-th (parallel lanes)")
+    parser.add_argument("--shard", default="0/1",
+                        help="I/N: run only every N-th point to run, from the I-th (parallel lanes)")
     parser.add_argument("--collect", action="store_true", help="run nothing: tabulate the points that exist")
     args = parser.parse_args()
     extra = dict(item.split("=", 1) for item in args.set)
@@ -130,7 +132,8 @@ def find_point(args, variant: Dict, lr: float, seed: int, extra: Dict, old: Dict
     """A finished point: in --out, or (a plain method) in an earlier comparison JSON."""
     out = point_dir(args, variant, lr, seed)
     if (out / "report.json").exists():
-        return {**run_one(variant["method"], args.steps, lr, seed, args.k, extra, out, collect=True), "source": str(out)}
+        return {**run_one(variant["method"], args.steps, lr, seed, args.k, extra, out, collect=True),
+                "source": str(out)}
     if not variant["options"]:
         return old.get((variant["method"], lr, seed))
     return None
@@ -161,7 +164,8 @@ def write_results(args, extra, lrs, seeds, variants, points):
     path.parent.mkdir(parents=True, exist_ok=True)
     budget = frontier_budget(args, extra, lrs, seeds)
     verdicts = dominance(points, lrs, seeds)
-    path.with_suffix(".json").write_text(json.dumps({"budget": budget, "points": points, "dominance": verdicts}, indent=2))
+    path.with_suffix(".json").write_text(json.dumps({"budget": budget, "points": points, "dominance": verdicts},
+                                                    indent=2))
     plot(points, variants, path.with_suffix(".png"))
     at = {(p["label"], p["lr"], p["seed"]): p for p in points}
     lines = ["# Forgetting–gain frontier on the embedded default", "",
@@ -178,10 +182,12 @@ def write_results(args, extra, lrs, seeds, variants, points):
             cells = [at.get((variant["label"], lr, s)) for s in seeds]
             if not any(cells):
                 continue
-            fmt = lambda key: " / ".join("—" if c is None else f"{c[key]:+.4f}" for c in cells)
+            def fmt(key):
+                return " / ".join("—" if c is None else f"{c[key]:+.4f}" for c in cells)
             layers = " / ".join("—" if c is None else str(c["layers"]) for c in cells)
             lines.append(f"| {variant['label']} | {lr:g} | {fmt('general_delta')} | {fmt('domain_delta')} | {layers} |")
-    lines += ["", f"Dominance at a matched learning rate (gain ≥ and forgetting ≤ the baseline's), seeds on which it holds:", "",
+    lines += ["", "Dominance at a matched learning rate (gain ≥ and forgetting ≤ the baseline's), seeds on which it "
+              "holds:", "",
               "| ADEPT variant | lr | " + " | ".join(f"vs {b}" for b in BASELINES) + " |",
               "|---|---|" + "---|" * len(BASELINES)]
     for v in verdicts:
@@ -189,7 +195,8 @@ def write_results(args, extra, lrs, seeds, variants, points):
             f"{v[b]['dominates_on_seeds'] or 'none'} of {v[b]['measured_seeds']}" for b in BASELINES) + " |")
     sources = sorted({p["source"] for p in points if p["source"].endswith(".json")})
     if sources:
-        lines += ["", "Plain-method points reused from " + ", ".join(Path(s).name for s in sources) + " (same settings)."]
+        lines += ["", "Plain-method points reused from " + ", ".join(Path(s).name for s in sources)
+                  + " (same settings)."]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {path.with_suffix('.md')}, .json and .png ({len(points)} points)")
 

@@ -28,10 +28,12 @@ def main():
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
             n = config.num_hidden_layers
-            trainable = expand_layers(model, [round(i * n / k) for i in range(k)])  # which layers does not change the count
+            # which layers does not change the count
+            trainable = expand_layers(model, [round(i * n / k) for i in range(k)])
             total = sum(p.numel() for p in model.parameters())
             count = sum(p.numel() for p in trainable)
-            print(f"{name:12} {k:3d} {model.config.num_hidden_layers:7d} {total / 1e9:8.2f}B {count / 1e6:9.0f}M {count / total:9.1%}")
+            print(f"{name:12} {k:3d} {model.config.num_hidden_layers:7d} {total / 1e9:8.2f}B "
+                  f"{count / 1e6:9.0f}M {count / total:9.1%}")
 
 
 if __name__ == "__main__":
