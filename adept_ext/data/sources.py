@@ -33,6 +33,15 @@ def iter_documents(path: Path) -> Iterator[str]:
     if path.suffix != ".jsonl":
         yield _read_text(path)
         return
+    for n, record in jsonl_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise InputError(f"{path}:{n}: expected a JSON object with a string 'text' field")
+        yield record["text"]
+
+
+def jsonl_records(path: Path) -> Iterator[Tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line of a JSONL file, read line by line;
+    InputError naming the first line that is not JSON."""
     with open(path, encoding="utf-8", errors="replace") as lines:
         for n, line in enumerate(lines, 1):
             if not line.strip():
@@ -41,9 +50,7 @@ def iter_documents(path: Path) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{n}: not JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise InputError(f"{path}:{n}: expected a JSON object with a string 'text' field")
-            yield record["text"]
+            yield n, record
 
 
 def bbc_news_labelled() -> List[Tuple[str, str]]:

@@ -23,7 +23,7 @@ import torch
 from ..errors import InputError
 from .blocks import BlockSet, TensorBlocks, batches, pad_rows, split_views, token_blocks
 from .large_corpus import corpus_blocks
-from .sources import BUILTIN_CORPORA, bbc_news_labelled
+from .sources import BUILTIN_CORPORA, bbc_news_labelled, jsonl_records
 
 BUILTIN_SEQUENCE = ("python-docs", "python-source", "bbc-topic")
 KINDS = ("text", "instruction")
@@ -64,13 +64,7 @@ def general_blocks(source: str, tokenizer, block_len: int, workers: int = 1):
 def read_examples(path: Path) -> List[Tuple[str, str]]:
     """(prompt, answer) pairs of an instruction JSONL; ValueError naming the line otherwise."""
     examples = []
-    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not JSON ({e.msg})") from None
+    for n, record in jsonl_records(path):
         if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
                 and isinstance(record.get("answer"), str) and record["answer"].strip()):
             raise InputError(f"{path}:{n}: an instruction task needs a string 'prompt' and a non-empty 'answer'")
