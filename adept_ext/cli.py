@@ -38,7 +38,8 @@ OPTIONS = {  # the options each command shows and takes; run/train/continual tak
 }
 CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
                                                    ("run", "train", "probe", "expand", "eval", "diagnose")}}
-SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "resume", "overwrite"}
+SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "gradient_checkpointing", "resume",
+                  "overwrite"}
 ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
            "block_size": "block_len", "seq_len": "block_len", "max_length": "block_len",
            "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
@@ -66,6 +67,9 @@ HELP = {
     "warmup_steps": "linear warmup steps before the cosine decay",
     "weight_decay": "AdamW weight decay",
     "max_grad_norm": "gradient clipping norm (0 = off)",
+    "gradient_checkpointing": "recompute each decoder layer's activations in the backward pass instead of keeping "
+                              "them (Hugging Face's non-reentrant activation checkpointing): less memory, the "
+                              "same losses, about one more forward per step",
     "probe_blocks": "general blocks used to probe layers and score units",
     "eval_blocks": "held-out blocks per corpus for evaluation",
     "eval_every": "held-out evaluation every N steps (0 = only at the end)",

@@ -223,3 +223,14 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(workspace, tmp_path, c
 def test_errors_before_anything_loads():
     with pytest.raises(RunError, match="unknown option"):
         config_from({"learning_rate": 1.0})
+
+
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq"])
+def test_gradient_checkpointing_gives_the_same_sequence(workspace, method):
+    """--gradient-checkpointing in every task of a sequence: the same losses and scores."""
+    runs = [run(options(workspace, f"ckpt-{method}-{on}", method=method, gradient_checkpointing=on), progress=False,
+                log=quiet) for on in (False, True)]
+    flat = lambda m: [v for row in m for v in row]  # noqa: E731
+    assert [h["loss"] for task in runs[1]["history"] for h in task] == pytest.approx(
+        [h["loss"] for task in runs[0]["history"] for h in task], rel=1e-6)
+    assert flat(runs[1]["matrix"]) == pytest.approx(flat(runs[0]["matrix"]), rel=1e-6)

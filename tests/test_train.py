@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from adept_ext.cli import main
 from adept_ext.errors import RunError
@@ -198,6 +198,7 @@ OPTIONS = {
     "warmup_steps": Opt(2, -1, "warmup_steps must be >= 0"),
     "weight_decay": Opt(0.1, -1.0, "weight_decay must be >= 0"),
     "max_grad_norm": Opt(0.5, -1.0, "max_grad_norm must be >= 0"),
+    "gradient_checkpointing": Opt(True),
     "probe_blocks": Opt(2, 0, "probe_blocks must be >= 1"),
     "eval_blocks": Opt(2, 0, "eval_blocks must be >= 1"),
     "save_every": Opt(5, -1, "save_every must be >= 0"),
@@ -567,3 +568,30 @@ def test_a_model_folder_without_a_usable_tokenizer_is_one_error_line(workspace, 
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' weight-loading bar
     assert last.startswith("adept-ext: error:") and "cannot be loaded as a Hugging Face causal LM" in last
     assert "tokenizer" in last and not out.exists()
+
+
+@pytest.mark.parametrize("method", ["adept", "lora", "full", "llama_pro"])
+def test_gradient_checkpointing_gives_the_same_losses(workspace, monkeypatch, method):
+    """--gradient-checkpointing recomputes each decoder layer in backward (copies, LoRA layers and
+    frozen layers alike): the same training and held-out losses; checkpointing really ran (every
+    layer, every micro-batch), and only in the run that asked for it."""
+    import transformers.modeling_utils
+
+    calls = []
+    real = transformers.modeling_utils.checkpoint
+
+    def counting(function, *args, **kwargs):
+        calls.append(1)
+        return real(function, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", counting)
+    runs = []
+    for on in (False, True):
+        calls.clear()
+        cfg = options(workspace, f"ckpt-{method}-{on}", method=method, gradient_checkpointing=on)
+        runs.append(run(cfg, progress=False, log=lambda *a: None))
+        layers = AutoConfig.from_pretrained(workspace / f"ckpt-{method}-{on}" / "model").num_hidden_layers
+        assert len(calls) == (cfg.steps * layers if on else 0)  # every layer of every step's forward
+    plain, checkpointed = ([h["loss"] for h in r["history"]["train"]] for r in runs)
+    assert checkpointed == pytest.approx(plain, rel=1e-6)
+    assert runs[1]["final"]["domain_loss"] == pytest.approx(runs[0]["final"]["domain_loss"], rel=1e-6)

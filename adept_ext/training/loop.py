@@ -53,6 +53,16 @@ def optimizer_for(task: Task, cfg):
     return optimizer, scheduler
 
 
+def activation_checkpointing(model, enable: bool):
+    """Hugging Face's activation checkpointing of every decoder layer (non-reentrant), on or off;
+    off also removes the input-embedding hook that turning it on adds."""
+    if enable:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.activation_checkpointing_disable()
+        model.disable_input_require_grads()
+
+
 class TaskHooks:
     """What a runner adds to `fit_task` (every hook optional)."""
 
@@ -128,6 +138,8 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     n_trainable = sum(p.numel() for p in task.trainable)
     check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
     hooks.prepared(task, n_trainable)
+    if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
+        activation_checkpointing(model, True)
     if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
         task.setup = shard(model, task.setup, bf16)
         trained = model
@@ -168,6 +180,8 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
             log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
         raise
     hooks.trained(step)
+    if cfg.gradient_checkpointing:
+        activation_checkpointing(model, False)
     parallel.unshard_model(model)  # FSDP2: the whole weights on every rank again (a collective), for finish
     finished = task.finish(artifacts, report)
     return {"model": finished, "task": task, "step": step, "trainable": n_trainable}

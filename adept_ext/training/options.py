@@ -27,6 +27,7 @@ class TrainOptions:
     warmup_steps: int = 4             # linear warmup, then cosine decay to 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0        # gradient clipping (0 = off)
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (HF's, non-reentrant)
     probe_blocks: int = 8             # general blocks used to probe layers and score units
     eval_blocks: int = 16             # held-out blocks per corpus for evaluation
     save_every: int = 20              # checkpoint every N steps (0 = never)
