@@ -1,0 +1,139 @@
+"""tools/bench: the shared harness (timing, peak memory, result rows and their CSV), the command
+line, and docs/benchmarks.md's tables, which must be what the generator renders from the CSV."""
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench  # noqa: E402
+from bench import common, linear_ce, probe, tables  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_page_is_what_the_generator_renders_from_the_committed_csv():
+    with open(tables.PAGE) as f:
+        page = f.read()
+    assert tables.render_page(common.read_csv(tables.CSV), page) == page, "run: python tools/bench.py tables"
+
+
+def test_tables_check_fails_on_a_stale_page_and_on_a_table_the_csv_cannot_fill(tmp_path):
+    with open(tables.PAGE) as f:
+        page = f.read()
+    stale = tmp_path / "page.md"
+    stale.write_text(page.replace("| 40.08 |", "| 41.08 |"))
+    assert tables.main(tables.CSV, str(stale), check=True) == 1
+    rows = [r for r in common.read_csv(tables.CSV) if not r["shape"].endswith("k 64")]
+    with pytest.raises(ValueError, match="k = 64"):
+        tables.render_page(rows, page)
+    wrong_unit = [{**r, "unit": "s"} if r["benchmark"] == "importance" else r for r in common.read_csv(tables.CSV)]
+    with pytest.raises(ValueError, match="unit"):
+        tables.render_page(wrong_unit, page)
+
+
+def test_the_committed_csv_is_transcribed_cpu_figures_with_their_provenance():
+    rows = common.read_csv(tables.CSV)
+    assert rows and all(r["device"] == "cpu" and r["source"] == "transcribed from README" for r in rows)
+    assert all(len(r["commit"]) == 7 and r["date"].startswith("2026-") and r["command"] for r in rows)
+    assert all(float(r["value"]) == float(r["value"]) for r in rows)  # every value a number
+
+
+def test_median_time_warms_up_and_returns_the_median():
+    calls, sleeps = [], iter([0.0, 0.0, 0.05, 0.001, 0.02])
+
+    def fn():
+        calls.append(1)
+        time.sleep(next(sleeps))
+        return "out"
+
+    t = common.median_time(fn, CPU, repeats=3, warmup=2)
+    assert len(calls) == 5 and 0.015 < t < 0.045  # the median of 0.05, 0.001, 0.02 s
+    out, seconds = common.timed(lambda: time.sleep(0.01) or "out", CPU)
+    assert out == "out" and seconds >= 0.01
+
+
+def allocate_64mb(setup_only=False, state=None):
+    """For peak_mb: the setup holds nothing; the call fills 64 MB."""
+    if setup_only:
+        return None
+    return float(torch.ones(2**24).sum())
+
+
+def test_peak_memory_on_the_cpu_in_this_process_and_in_a_fresh_one():
+    assert 60 < common.peak_mb(allocate_64mb, CPU) < 200
+    assert common.peak_mb(lambda: None, CPU) < 10
+    assert 60 < common.peak_mb(allocate_64mb, CPU, fresh=functools.partial(allocate_64mb)) < 200
+
+
+def args_of(**kw):
+    return argparse.Namespace(**{"size": "small", "quick": False, **kw})
+
+
+def test_rows_round_trip_through_the_csv(tmp_path):
+    path = tmp_path / "results" / "bench.csv"
+    partial = [common.row("adept_ext", "time", 1.234567, "ms", dtype="float32", shape="3 tensors, 1.0M elements"),
+               common.row("torch", "peak_extra_memory", 12, "MB")]
+    first = common.run_rows("importance", partial, args_of(quick=True), CPU, ["importance", "--quick"],
+                            commit="abc1234")
+    second = common.run_rows("probe", partial[:1], args_of(), CPU, ["probe"], commit="abc1234")
+    common.append_csv(path, first)
+    common.append_csv(path, second)
+    back = common.read_csv(path)
+    assert back == first + second
+    assert back[0]["value"] == "1.235" and back[1]["value"] == "12" and back[0]["size"] == "small --quick"
+    assert back[0]["command"] == "python tools/bench.py importance --quick" and back[0]["source"] == "tools/bench.py"
+    assert path.read_text().count("benchmark,provider") == 1
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="columns"):
+        common.append_csv(other, first)
+
+
+def test_every_benchmark_has_a_module_with_run_and_rows():
+    import importlib
+
+    assert len(bench.NAMES) == 10
+    for name in bench.NAMES:
+        module = importlib.import_module(f"bench.{name}")
+        assert callable(module.run) and callable(module.rows), name
+
+
+def test_rows_of_results_only_a_gpu_or_the_large_size_gives():
+    lce = {"n": 8192, "h": 2048, "v": 128256, "dtype": "bfloat16", "gemm_s": 0.006, "gemm_tflops": 700.0,
+           "peak_mem_gemm_mb": 2004.0, "providers": {
+               "adept_ext": {"s": 0.008, "tflops": 500.0, "gemm_fraction": 0.8, "peak_mem_mb": 251.0,
+                             "rel_diff_loss_sum": 1e-6, "time_vs_adept_ext": 1.0},
+               "liger_fused_linear_ce": {"error": "TypeError: no"}}}
+    rows = linear_ce.rows(lce)
+    assert {r["provider"] for r in rows} == {"gemm_alone", "adept_ext"}
+    large = {"model": "qwen3-0.6b-shape", "dtype": "bfloat16", "batches": 2, "batch_size": 8, "block_len": 512,
+             "naive_s": 1.9, "fused_s": 2.0, "speedup_vs_naive": 0.95, "flop_ratio_bound": 1.59,
+             "peak_mem_naive_mb": 100.0, "peak_mem_fused_mb": 50.0, "memory_fraction_of_naive": 0.5,
+             "max_rel_diff_variant_losses": 1e-3}
+    rows = probe.rows({"qwen3-0.6b-shape": large})
+    assert {r["shape"] for r in rows} == {"qwen3-0.6b-shape, 2 batches x 8x512"} and len(rows) == 8
+
+
+def test_a_quick_run_appends_its_rows_to_the_csv(tmp_path):
+    path = tmp_path / "rows.csv"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), "importance", "--quick",
+                           "--csv", str(path), "--json", str(tmp_path / "bench.json")],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = common.read_csv(path)
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"} and len(rows) == 18
+    assert all(r["benchmark"] == "importance" and r["size"] == "small --quick" and r["device"] == "cpu"
+               and r["source"] == "tools/bench.py" and r["date"] for r in rows)
+    times = {(r["dtype"], r["provider"]): float(r["value"]) for r in rows if r["metric"] == "time"}
+    assert len(times) == 8 and all(t > 0 for t in times.values())
+    assert set(json.loads((tmp_path / "bench.json").read_text())) == {"machine", "importance"}
+    assert path.read_text().splitlines()[0] == ",".join(common.CSV_FIELDS)
