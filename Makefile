@@ -1,6 +1,6 @@
 # make setup: idempotent; creates .venv, installs the pinned dependencies, builds the extension.
 # make demo:  setup, then the main job on the embedded default (SmolLM2-135M, BBC News -> Python docs).
-# make test:  setup, then the test suite.   make bench: setup, then the benchmarks.
+# make test:  setup, then ruff (pyproject.toml) and the test suite.   make bench: setup, then the benchmarks.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -33,6 +33,7 @@ $(STAMP): $(SOURCES)
 	@echo "==> set-up done ($(VENV) ready; \`make setup\` again only rebuilds when a source changes)"
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 bench: setup

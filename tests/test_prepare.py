@@ -162,9 +162,10 @@ def test_prepare_refuses_impossible_settings_before_touching_the_model():
     model = tiny_model("llama")
     before = {n: p.clone() for n, p in model.state_dict().items()}
     method = adept_ext.get_method(REGISTRY["lora"].config_class())
-    for kw, message in ((dict(lr=0.0, total_steps=4), "lr must be"), (dict(lr=float("nan"), total_steps=4), "lr must be"),
-                        (dict(lr=1e-3, total_steps=0), "total_steps"), (dict(lr=1e-3, total_steps=4, weight_decay=-1),
-                                                                        "weight_decay")):
+    for kw, message in ((dict(lr=0.0, total_steps=4), "lr must be"),
+                        (dict(lr=float("nan"), total_steps=4), "lr must be"),
+                        (dict(lr=1e-3, total_steps=0), "total_steps"),
+                        (dict(lr=1e-3, total_steps=4, weight_decay=-1), "weight_decay")):
         with pytest.raises(InputError, match=message):
             adept_ext.prepare(model, method, **kw)
     assert type(model).__name__ == "LlamaForCausalLM"  # not wrapped by PEFT
