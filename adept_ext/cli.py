@@ -38,8 +38,8 @@ OPTIONS = {  # the options each command shows and takes; run/train/continual tak
 }
 CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
                                                    ("run", "train", "probe", "expand", "eval", "diagnose")}}
-SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "gradient_checkpointing", "resume",
-                  "overwrite"}
+SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "gradient_checkpointing", "report_to",
+                  "resume", "overwrite"}
 ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
            "block_size": "block_len", "seq_len": "block_len", "max_length": "block_len",
            "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
@@ -122,6 +122,9 @@ HELP = {
     "device": "auto, cpu or cuda",
     "parallel": "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and "
                 "optimizer state sharded per decoder layer while training; not o_lora, deal, eoupct)",
+    "report_to": "live tracking of losses, lr, grad norm, tokens/s, peak memory and every evaluation: none, or "
+                 "a comma-separated list of tensorboard (event files in --out/runs), mlflow (--out/mlruns unless "
+                 "MLFLOW_TRACKING_URI is set), wandb, trackio; rank 0 only",
     "resume": "continue the run in --out from its last checkpoint",
     "overwrite": "replace an existing run in --out",
 }

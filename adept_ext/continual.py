@@ -29,7 +29,7 @@ from .methods import create
 from .models import load_model
 from .report import plot_matrix, plot_series
 from .data.tasks import answer_scores, general_blocks, load_tasks
-from .training import (CHECKPOINT, TaskHooks, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
+from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
                        data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
                        read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16)
 
@@ -171,39 +171,47 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     log(f"{cfg.method} on {len(tasks)} tasks: {', '.join(f'{t.name} ({t.kind})' for t in tasks)}; "
         f"base general loss {rows[0]['general_loss']:.4f}")
 
-    for t in range(first, len(tasks)):
-        task, t0 = tasks[t], time.time()
-        task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
-        hooks = _TaskHooks(task_dir, t, len(tasks), task.name, log)
-        hooks.fields = {"completed": t, "rows": rows, "per_task": per_task, "history": history,
-                        "task_start": method.state_dict()}
-        resuming = inside and t == first
-        task_history = checkpoint["task_history"] if resuming else {"train": []}
-        extras = {}
-        fit = fit_task(model, method, cfg, device, bf16,
-                       lambda prepared, t=t: method.train_blocks(blocks, t).batches(cfg.batch_size), task_history,
-                       out=out, desc=f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})",
-                       general_probe=general_probe,
-                       domain_probe=list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size)), task_index=t,
-                       checkpoint=checkpoint if resuming else None, hooks=hooks, artifacts=task_dir, report=extras,
-                       progress=progress, log=log)
-        model = fit["model"]
-        for p in model.parameters():
-            p.requires_grad_(False)
-        rows.append(evaluator.row(model, f"after {task.name}"))
-        per_task.append({"task": task.name, "kind": task.kind, "layers": fit["task"].layers,
-                         "summary": fit["task"].summary, "trainable_parameters": fit["trainable"],
-                         "seconds": round(time.time() - t0, 1), "peak_memory_mb": round(peak_memory_mb(device)),
-                         **extras})
-        history.append(task_history["train"])
-        log(f"after {task.name}: scores {[round(s, 4) for s in rows[-1]['scores']]}, "
-            f"general loss {rows[-1]['general_loss']:.4f}")
-        if t + 1 < len(tasks) and main:
-            atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-            state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
-                     "method": method.state_dict(), "rng": rng_state(), "world_size": parallel.world_size()}
-            atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
-            remove_stale_shards(out)
+    tracker = Tracker(cfg.report_to, out, asdict(cfg), cfg.method)
+    try:
+        if not checkpoint:
+            track_scores(tracker, tasks, rows, 0)
+        for t in range(first, len(tasks)):
+            task, t0 = tasks[t], time.time()
+            task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
+            hooks = _TaskHooks(task_dir, t, len(tasks), task.name, log, cfg)
+            hooks.fields = {"completed": t, "rows": rows, "per_task": per_task, "history": history,
+                            "task_start": method.state_dict()}
+            resuming = inside and t == first
+            task_history = checkpoint["task_history"] if resuming else {"train": []}
+            hooks.first_step = checkpoint["step"] if resuming else 0
+            extras = {}
+            fit = fit_task(model, method, cfg, device, bf16,
+                           lambda prepared, t=t: method.train_blocks(blocks, t).batches(cfg.batch_size), task_history,
+                           out=out, desc=f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})",
+                           general_probe=general_probe,
+                           domain_probe=list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size)), task_index=t,
+                           checkpoint=checkpoint if resuming else None, hooks=hooks, artifacts=task_dir, report=extras,
+                           tracker=tracker, step_offset=t * cfg.steps, progress=progress, log=log)
+            model = fit["model"]
+            for p in model.parameters():
+                p.requires_grad_(False)
+            rows.append(evaluator.row(model, f"after {task.name}"))
+            per_task.append({"task": task.name, "kind": task.kind, "layers": fit["task"].layers,
+                             "summary": fit["task"].summary, "trainable_parameters": fit["trainable"],
+                             "seconds": round(time.time() - t0, 1), "peak_memory_mb": round(peak_memory_mb(device)),
+                             "tokens_per_second": hooks.tokens_per_second, **extras})
+            track_scores(tracker, tasks, rows, (t + 1) * cfg.steps)
+            history.append(task_history["train"])
+            log(f"after {task.name}: scores {[round(s, 4) for s in rows[-1]['scores']]}, "
+                f"general loss {rows[-1]['general_loss']:.4f}")
+            if t + 1 < len(tasks) and main:
+                atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+                state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
+                         "method": method.state_dict(), "rng": rng_state(), "world_size": parallel.world_size()}
+                atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+                remove_stale_shards(out)
+    finally:
+        tracker.close()
 
     report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started)
     if main:
@@ -219,14 +227,31 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     return report
 
 
-class _TaskHooks(TaskHooks):
-    """The sequence's part of a task: its folder, the log line, the sequence so far in checkpoints."""
+def track_scores(tracker, tasks, rows, step: int):
+    """The newest score row to the tracker: every task's score, the general loss, and AA / BWT
+    over the tasks learned so far."""
+    done = len(rows) - 1
+    scores = {f"continual/score/{task.name}": score for task, score in zip(tasks, rows[-1]["scores"])}
+    running = metrics([row["scores"][:done] for row in rows]) if done else {}
+    tracker.log({**scores, "eval/general_loss": rows[-1]["general_loss"],
+                 **{f"continual/{k}": v for k, v in running.items() if v is not None}}, step)
 
-    def __init__(self, task_dir, t, n_tasks, name, log):
-        self.task_dir, self.t, self.n_tasks, self.name, self.log = task_dir, t, n_tasks, name, log
-        self.fields = {}
+
+class _TaskHooks(TaskHooks):
+    """The sequence's part of a task: its folder, the log line, the sequence so far in checkpoints,
+    the task's training throughput."""
+
+    def __init__(self, task_dir, t, n_tasks, name, log, cfg):
+        self.task_dir, self.t, self.n_tasks, self.name, self.log, self.cfg = task_dir, t, n_tasks, name, log, cfg
+        self.fields, self.first_step, self.tokens_per_second = {}, 0, None
+
+    def trained(self, step):
+        seconds = time.time() - self.started
+        tokens = (step - self.first_step) * self.cfg.grad_accum * self.cfg.batch_size * self.cfg.block_len
+        self.tokens_per_second = round(tokens / seconds, 1) if seconds else None
 
     def prepared(self, task, n_trainable):
+        self.started = time.time()
         if self.task_dir is not None:
             self.task_dir.mkdir(exist_ok=True)
             task.method.write_artifacts(self.task_dir)

@@ -32,7 +32,7 @@ from .methods.freeze_deep import DIAGNOSIS_TASKS
 from .models import load_model
 from .placement import PLACEMENTS
 from .report import plot_loss_curves
-from .training import (CHECKPOINT, TaskHooks, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
+from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
                        data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
                        read_checkpoint, remove_stale_shards, use_bf16)
 
@@ -151,22 +151,25 @@ def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
 
 
 class _RunHooks(TaskHooks):
-    """The one-domain run's part of the task: stage timings, artifacts, periodic and final evaluation."""
+    """The one-domain run's part of the task: stage timings, artifacts, periodic and final
+    evaluation (into the history and to the tracker)."""
 
-    def __init__(self, cfg, corpora, out, report, history, base, device, progress, log):
-        self.cfg, self.corpora, self.out, self.report, self.history = cfg, corpora, out, report, history
-        self.base, self.device, self.progress, self.log = base, device, progress, log
-        self.t0 = time.time()
+    def __init__(self, cfg, model, corpora, out, report, history, device, tracker, progress, log):
+        self.cfg, self.model, self.corpora, self.out, self.report = cfg, model, corpora, out, report
+        self.history, self.device, self.tracker, self.progress, self.log = history, device, tracker, progress, log
+        self.t0, self.first_step = time.time(), 0
 
     def stage(self, name, **extra):
         self.report["stages"][name] = {"seconds": round(time.time() - self.t0, 2),
                                        "peak_memory_mb": round(peak_memory_mb(self.device)), **extra}
         self.t0 = time.time()
 
-    def evaluate(self, label=""):
+    def evaluate(self, step: int, label=""):
         c = self.corpora
-        return {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress)
-                for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
+        result = {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress)
+                  for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
+        self.tracker.log({f"eval/{name}": value for name, value in result.items()}, step)
+        return result
 
     def prepared(self, task, n_trainable):
         self.model, self.task = task.model, task
@@ -179,14 +182,17 @@ class _RunHooks(TaskHooks):
 
     def after_step(self, step):
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
-            self.history["eval"].append({"step": step, **self.evaluate()})
+            self.history["eval"].append({"step": step, **self.evaluate(step)})
 
     def checkpoint_fields(self):
         return {"base": self.base}
 
     def trained(self, step):
-        self.stage("train", steps=step, tokens=step * self.cfg.grad_accum * self.cfg.batch_size * self.cfg.block_len)
-        self.final = self.evaluate(" (final)")
+        per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.block_len
+        seconds = time.time() - self.t0
+        self.stage("train", steps=step, tokens=step * per_step,  # tokens/s: per rank, the steps this process ran
+                   tokens_per_second=round((step - self.first_step) * per_step / seconds, 1) if seconds else None)
+        self.final = self.evaluate(step, " (final)")
         self.history["eval"].append({"step": step, **self.final})
         self.stage("final_eval", **self.final)
 
@@ -215,17 +221,20 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
                "bf16": bf16, "processes": parallel.world_size()}
     report = {"config": asdict(cfg), "stages": {}, "machine": machine}
     history = checkpoint["task_history"] if checkpoint else {"train": [], "eval": []}
-    hooks = _RunHooks(cfg, corpora, out, report, history, None, device, progress, log)
-    hooks.model = model
-    base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(" (base)")
-    hooks.stage("base_eval", **base)
-    log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
-
-    fit = fit_task(model, method, cfg, device, bf16, lambda task: corpora.domain_train, history, out=out,
-                   desc=f"training ({cfg.method})", general_probe=corpora.general_probe,
-                   domain_probe=corpora.domain_probe, diagnosis_batches=lambda: diagnosis_batches(cfg, corpora),
-                   checkpoint=checkpoint, hooks=hooks, artifacts=out if main else None, report=report,
-                   progress=progress, log=log)
+    tracker = Tracker(cfg.report_to, out, asdict(cfg), cfg.method)
+    try:
+        hooks = _RunHooks(cfg, model, corpora, out, report, history, device, tracker, progress, log)
+        base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(0, " (base)")
+        hooks.first_step = checkpoint["step"] if checkpoint else 0
+        hooks.stage("base_eval", **base)
+        log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
+        fit = fit_task(model, method, cfg, device, bf16, lambda task: corpora.domain_train, history, out=out,
+                       desc=f"training ({cfg.method})", general_probe=corpora.general_probe,
+                       domain_probe=corpora.domain_probe, diagnosis_batches=lambda: diagnosis_batches(cfg, corpora),
+                       checkpoint=checkpoint, hooks=hooks, artifacts=out if main else None, report=report,
+                       tracker=tracker, progress=progress, log=log)
+    finally:
+        tracker.close()
     task, final, n_trainable = fit["task"], hooks.final, fit["trainable"]
     if main:
         atomic_dir(out / "model", lambda tmp: (fit["model"].save_pretrained(tmp), tokenizer.save_pretrained(tmp)))

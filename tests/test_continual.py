@@ -234,3 +234,24 @@ def test_gradient_checkpointing_gives_the_same_sequence(workspace, method):
     assert [h["loss"] for task in runs[1]["history"] for h in task] == pytest.approx(
         [h["loss"] for task in runs[0]["history"] for h in task], rel=1e-6)
     assert flat(runs[1]["matrix"]) == pytest.approx(flat(runs[0]["matrix"]), rel=1e-6)
+
+
+def test_report_to_tensorboard_writes_scores_and_running_metrics(workspace):
+    """continual --report-to tensorboard: each task's training losses on one global step axis, and
+    after each task every task's score, the general loss and the running AA / BWT."""
+    from test_train import scalars
+
+    report = run(options(workspace, "tracked", method="seq_lora", report_to="tensorboard"), progress=False, log=quiet)
+    got = scalars(workspace / "tracked" / "runs")
+    steps = report["config"]["steps"]
+    assert [s for s, _ in got["train/loss"]] == list(range(1, 2 * steps + 1))
+    assert [v for _, v in got["train/loss"]] == pytest.approx([h["loss"] for task in report["history"] for h in task])
+    names = [t["name"] for t in report["tasks"]]
+    for i, name in enumerate(names):
+        assert got[f"continual/score/{name}"] == [(t * steps, pytest.approx(row[i], rel=1e-6))
+                                                  for t, row in enumerate(report["matrix"])]
+    assert got["eval/general_loss"] == [(t * steps, pytest.approx(g, rel=1e-6))
+                                        for t, g in enumerate(report["general_loss"])]
+    assert got["continual/AA"][-1] == (2 * steps, pytest.approx(report["metrics"]["AA"], rel=1e-6))
+    assert got["continual/BWT"] == [(2 * steps, pytest.approx(report["metrics"]["BWT"], rel=1e-6))]
+    assert all(p["tokens_per_second"] > 0 for p in report["per_task"])

@@ -212,6 +212,7 @@ OPTIONS = {
     "resume": Opt(None, True, "holds no adept-ext run"),  # a good --resume needs a stopped run: test_resume_*
     "overwrite": Opt(True),
     "data_workers": Opt(2, -1, "data_workers must be >= 0"),
+    "report_to": Opt("tensorboard", "tensorboard,bogus", "report_to must be none or a comma-separated list"),
     "general": Opt("python-docs", "{missing}", "no such file or folder", TINY[:2], runtime=True),
     "domain": Opt("bbc-news", "{missing}", "no such file or folder", TINY[:4], runtime=True),
     "layers": Opt("1,2", "x,y", "--layers must be comma-separated layer indices"),
@@ -595,3 +596,54 @@ def test_gradient_checkpointing_gives_the_same_losses(workspace, monkeypatch, me
     plain, checkpointed = ([h["loss"] for h in r["history"]["train"]] for r in runs)
     assert checkpointed == pytest.approx(plain, rel=1e-6)
     assert runs[1]["final"]["domain_loss"] == pytest.approx(runs[0]["final"]["domain_loss"], rel=1e-6)
+
+
+def scalars(log_dir):
+    """{tag: [(step, value), ...]} of the TensorBoard event files under `log_dir`, read back with
+    TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_report_to_tensorboard_writes_every_scalar(workspace):
+    """--report-to tensorboard: an event file with the training loss, lr, grad norm, tokens/s,
+    peak memory and ADEPT's rate statistics of every step, and every held-out evaluation (base,
+    periodic, final), equal to report.json."""
+    report = run(options(workspace, "tracked", report_to="tensorboard"), progress=False, log=lambda *a: None)
+    got = scalars(workspace / "tracked" / "runs")
+    train = report["history"]["train"]
+    assert [s for s, _ in got["train/loss"]] == [h["step"] for h in train] == [1, 2, 3, 4]
+    assert [v for _, v in got["train/loss"]] == pytest.approx([h["loss"] for h in train], rel=1e-6)
+    assert [v for _, v in got["train/lr"]] == pytest.approx([h["lr"] for h in train], rel=1e-6, abs=1e-12)
+    for tag in ("train/grad_norm", "train/tokens_per_second", "train/peak_memory_mb", "adept/mean_lr_multiplier",
+                "adept/recomputes"):
+        assert len(got[tag]) == 4 and all(v > 0 for _, v in got[tag][1:]), tag
+    evals = [(0, report["base"])] + [(e["step"], e) for e in report["history"]["eval"]]
+    for name in ("general_loss", "domain_loss"):
+        assert got[f"eval/{name}"] == [(s, pytest.approx(e[name], rel=1e-6)) for s, e in evals]
+    assert report["stages"]["train"]["tokens_per_second"] > 0
+
+
+def test_report_to_refuses_a_backend_that_is_not_installed(workspace, monkeypatch):
+    from adept_ext.training import tracking
+
+    real = tracking.importlib.util.find_spec
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    with pytest.raises(RunError, match=r"--report-to wandb: the package is not installed \(pip install wandb\)"):
+        options(workspace, "untracked", report_to="tensorboard,wandb")
+    with pytest.raises(RunError, match="report_to must be none or"):
+        options(workspace, "untracked", report_to="none,tensorboard")
+    assert not (workspace / "untracked").exists()
+
+
+def test_report_to_mlflow_logs_to_a_local_file_store(workspace, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    report = run(options(workspace, "mlflow", method="lora", report_to="mlflow"), progress=False, log=lambda *a: None)
+    mlflow.set_tracking_uri((workspace / "mlflow" / "mlruns").resolve().as_uri())
+    (found,) = mlflow.search_runs(experiment_names=["adept-ext"], output_format="list")
+    history = mlflow.MlflowClient().get_metric_history(found.info.run_id, "train/loss")
+    assert [m.value for m in history] == pytest.approx([h["loss"] for h in report["history"]["train"]], rel=1e-6)

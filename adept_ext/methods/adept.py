@@ -185,6 +185,13 @@ class DecoupledRates:
         due = self.decoupled is not None and self.decoupled.recompute_due()
         return "recomputing unit importance" if due else ""
 
+    def metrics(self) -> Dict[str, float]:
+        """The per-unit rates' mean multiplier and how often the importance was recomputed."""
+        if self.decoupled is None:
+            return {}
+        return {"adept/mean_lr_multiplier": self.decoupled.mean_multiplier,
+                "adept/recomputes": self.decoupled.recomputes}
+
     def end_task(self, model, out, report: Dict):
         self.decoupled.remove()
         units, multipliers = self.importance.units, self.decoupled.multipliers

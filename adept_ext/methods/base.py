@@ -198,6 +198,10 @@ class Method:
         """What the next optimizer step will do besides updating (for the progress bar), or ""."""
         return ""
 
+    def metrics(self) -> Dict[str, float]:
+        """What the method reports to live tracking after each step (`--report-to`; default none)."""
+        return {}
+
     def train_blocks(self, blocks: List[BlockSet], task_index: int) -> BlockSet:
         """The training blocks of task `task_index`, given every task's training blocks (default: its own)."""
         return blocks[task_index]

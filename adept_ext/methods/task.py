@@ -67,6 +67,10 @@ class Task:
         """What the next optimizer step does besides updating (for a progress bar), or ""."""
         return self.method.step_note()
 
+    def metrics(self) -> Dict[str, float]:
+        """The method's own statistics for live tracking (ADEPT: the rates' mean multiplier)."""
+        return self.method.metrics()
+
     def finish(self, out=None, report: Optional[Dict] = None):
         """End the task: hooks off, adapters merged, plots into `out` (None: none), report entries
         into `report`; returns the plain Hugging Face model to evaluate and save."""

@@ -2,6 +2,7 @@
 step loop, and `fit_task`, which owns one task's whole block (prepare through `methods.prepare`,
 memory check, shard or wrap, optimizer, resume, checkpoints, the steps, unshard, finish)."""
 import math
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -12,7 +13,7 @@ from .. import parallel
 from ..methods.task import Task, prepare
 from ..optim import GroupedAdamW
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
-from .device import check_memory
+from .device import check_memory, peak_memory_mb
 from .rundir import CHECKPOINT, atomic_write
 
 
@@ -81,16 +82,21 @@ class TaskHooks:
 
 
 def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
-                desc: str, progress: bool, after_step) -> int:
+                desc: str, progress: bool, after_step, tracker=None, step_offset: int = 0) -> int:
     """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
     batches per step and rank, bf16 autocast when `bf16`, gradient clipping), the loss from
-    `task.loss`; appends the loss (mean over ranks) to `history["train"]` and calls
-    `after_step(step)` after each step. Returns the step. Under data parallelism `model` is the
-    DDP-wrapped model and rank r takes micro-batches r, r + W, … (see `parallel`)."""
+    `task.loss`; appends the loss (mean over ranks) to `history["train"]`, shows loss and tokens/s
+    on the progress bar, sends loss, lr, grad norm, tokens/s, peak memory and the method's own
+    metrics to `tracker` (at step `step_offset + step`) and calls `after_step(step)` after each
+    step. Returns the step. Under data parallelism `model` is the DDP-wrapped model and rank r
+    takes micro-batches r, r + W, … (see `parallel`)."""
     world, rank = parallel.world_size(), parallel.rank()
+    tracking = tracker is not None and tracker.active
+    tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.block_len * world
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)
     try:
         while step < cfg.steps:
+            started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):
@@ -100,8 +106,11 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
                     loss = task.loss(batch, model) / cfg.grad_accum
                 loss.backward()
                 loss_sum += float(loss.detach())
+            grad_norm = None
             if cfg.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(task.trainable, cfg.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(task.trainable, cfg.max_grad_norm)
+            elif tracking:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in task.trainable if p.grad is not None])
             note = task.step_note()
             if note:
                 bar.set_postfix_str(f"{note} …")
@@ -110,8 +119,14 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
             step += 1
             loss_sum = parallel.mean_over_ranks(loss_sum, device)
             history["train"].append({"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0]})
+            tokens_per_second = tokens_per_step / (time.perf_counter() - started)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.3f}")
+            bar.set_postfix(loss=f"{loss_sum:.3f}", tokens_per_s=f"{tokens_per_second:.0f}")
+            if tracking:
+                norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP2: a DTensor
+                tracker.log({"train/loss": loss_sum, "train/lr": scheduler.get_last_lr()[0],
+                             "train/grad_norm": float(norm), "train/tokens_per_second": tokens_per_second,
+                             "train/peak_memory_mb": peak_memory_mb(device), **task.metrics()}, step_offset + step)
             after_step(step)
     finally:
         bar.close()
@@ -122,14 +137,15 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
              general_probe, domain_probe=(), task_index: int = 0, diagnosis_batches=None,
              checkpoint: Optional[Dict] = None,
              hooks: TaskHooks = TaskHooks(), artifacts: Optional[Path] = None, report: Optional[Dict] = None,
-             progress: bool = True, log=print) -> Dict:
+             tracker=None, step_offset: int = 0, progress: bool = True, log=print) -> Dict:
     """One task, start to finish: `methods.prepare` (the layers of `checkpoint` when resuming
     inside the task), the memory check for what trains, shard (FSDP2) or wrap (DDP), the
     optimizer, the state of `checkpoint`, `cfg.steps` steps over `batches(task)` with the
-    losses appended to `history["train"]` (every `cfg.save_every` steps an in-task checkpoint
-    into `out`, `history` in it as "task_history"; Ctrl-C saves one too when it can), unshard,
-    and `task.finish` (plots into `artifacts`, entries into `report`). Returns
-    {"model": the finished model, "task", "step", "trainable": the trainable parameter count}."""
+    losses appended to `history["train"]` and sent to `tracker` from step `step_offset` (every
+    `cfg.save_every` steps an in-task checkpoint into `out`, `history` in it as "task_history";
+    Ctrl-C saves one too when it can), unshard, and `task.finish` (plots into `artifacts`,
+    entries into `report`). Returns {"model": the finished model, "task", "step", "trainable":
+    the trainable parameter count}."""
     main = parallel.is_main()
     task = prepare(model, method, general_probe=general_probe, domain_probe=domain_probe, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, total_steps=cfg.steps, seed=cfg.seed, task_index=task_index,
@@ -171,7 +187,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     model.train()
     try:
         train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
-                    progress, after_step)
+                    progress, after_step, tracker, step_offset)
     except KeyboardInterrupt:
         if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
             log(f"interrupted in {desc} at step {step}: continue from the last checkpoint in {out} with --resume")

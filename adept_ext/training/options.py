@@ -9,6 +9,7 @@ from typing import Dict
 from .. import parallel
 from ..errors import RunError
 from ..methods import create
+from .tracking import backends_of
 
 
 @dataclass
@@ -41,6 +42,7 @@ class TrainOptions:
     resume: bool = False              # continue the run in `out` from its last checkpoint
     overwrite: bool = False           # replace an existing run in `out`
     data_workers: int = 0             # processes tokenising a file/folder corpus (0 = the CPU count, at most 8)
+    report_to: str = "none"           # live tracking: none | comma-separated tensorboard, mlflow, wandb, trackio
 
 
 def options_from(cls, overrides: Dict, sequence: bool = False):
@@ -74,6 +76,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
     if cfg.parallel == "fsdp2" and parallel.launched_world() < 2:
         raise RunError("--parallel fsdp2 shards the model over the processes of torchrun: launch with "
                        "`torchrun --nproc-per-node N` (N >= 2), or leave --parallel at ddp for one process")
+    backends_of(cfg.report_to)  # an unknown or missing backend: an error before anything trains
     method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
     if cfg.parallel == "fsdp2" and not method.shardable:
         raise RunError(f"method {cfg.method} cannot train a model sharded by FSDP2 (its hooks need the whole "
