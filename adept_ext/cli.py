@@ -122,6 +122,8 @@ HELP = {
     "device": "auto, cpu or cuda",
     "parallel": "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and "
                 "optimizer state sharded per decoder layer while training; not o_lora, deal, eoupct)",
+    "attn_implementation": "transformers' attention backend: sdpa (PyTorch's scaled_dot_product_attention), "
+                           "eager, or flash_attention_2 (needs the flash-attn package and a CUDA GPU)",
     "report_to": "live tracking of losses, lr, grad norm, tokens/s, peak memory and every evaluation: none, or "
                  "a comma-separated list of tensorboard (event files in --out/runs), mlflow (--out/mlruns unless "
                  "MLFLOW_TRACKING_URI is set), wandb, trackio; rank 0 only",
@@ -216,7 +218,7 @@ def _probe_or_expand(cfg, command, progress):
 
     check_out(cfg, command)
     try:
-        model, tokenizer = load_model(cfg.model, device=device_for(cfg))
+        model, tokenizer = load_model(cfg.model, device=device_for(cfg), attn_implementation=cfg.attn_implementation)
         train, _ = split_views(corpus_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg)), cfg.seed,
                                "the general corpus")
     except (FileNotFoundError, InputError) as e:
@@ -246,7 +248,7 @@ def _load(cfg, command):
 
     check_out(cfg, command)
     try:
-        model, tokenizer = load_model(cfg.model, device=device_for(cfg))
+        model, tokenizer = load_model(cfg.model, device=device_for(cfg), attn_implementation=cfg.attn_implementation)
         corpora = Corpora(cfg, tokenizer)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e

@@ -140,7 +140,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
-        model, tokenizer = load_model(cfg.model, device=device)
+        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
         workers = data_workers(cfg)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
@@ -158,7 +158,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     blocks = [t.train for t in tasks]
 
     if checkpoint and checkpoint["completed"] > 0:
-        model = load_model(out / RESUME_MODEL, device=device)[0]
+        model = load_model(out / RESUME_MODEL, device=device, attn_implementation=cfg.attn_implementation)[0]
     rows = checkpoint["rows"] if checkpoint else [evaluator.row(model, "base")]
     per_task = checkpoint["per_task"] if checkpoint else []
     history = checkpoint["history"] if checkpoint else []

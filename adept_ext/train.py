@@ -206,7 +206,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
-        model, tokenizer = load_model(cfg.model, device=device)
+        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e

@@ -199,6 +199,7 @@ OPTIONS = {
     "weight_decay": Opt(0.1, -1.0, "weight_decay must be >= 0"),
     "max_grad_norm": Opt(0.5, -1.0, "max_grad_norm must be >= 0"),
     "gradient_checkpointing": Opt(True),
+    "attn_implementation": Opt("eager", "flash", "attn_implementation must be one of sdpa, eager"),
     "probe_blocks": Opt(2, 0, "probe_blocks must be >= 1"),
     "eval_blocks": Opt(2, 0, "eval_blocks must be >= 1"),
     "save_every": Opt(5, -1, "save_every must be >= 0"),
@@ -647,3 +648,29 @@ def test_report_to_mlflow_logs_to_a_local_file_store(workspace, monkeypatch):
     (found,) = mlflow.search_runs(experiment_names=["adept-ext"], output_format="list")
     history = mlflow.MlflowClient().get_metric_history(found.info.run_id, "train/loss")
     assert [m.value for m in history] == pytest.approx([h["loss"] for h in report["history"]["train"]], rel=1e-6)
+
+
+def test_attention_backends_give_the_same_run(workspace, monkeypatch):
+    """--attn-implementation eager and sdpa (the default) train to the same losses; the backend
+    reaches the model; flash_attention_2 without flash-attn or a GPU is refused before anything
+    is written, naming what is missing."""
+    import adept_ext.train as train_module
+
+    runs, real = {}, train_module.load_model
+    for backend in ("sdpa", "eager"):
+        seen = []
+
+        def spy(*args, **kwargs):
+            model, tokenizer = real(*args, **kwargs)
+            seen.append(model.config._attn_implementation)
+            return model, tokenizer
+
+        monkeypatch.setattr(train_module, "load_model", spy)
+        runs[backend] = run(options(workspace, f"attn-{backend}", method="lora", attn_implementation=backend),
+                            progress=False, log=lambda *a: None)
+        assert seen == [backend]
+    losses = {b: [h["loss"] for h in r["history"]["train"]] for b, r in runs.items()}
+    assert losses["eager"] == pytest.approx(losses["sdpa"], rel=1e-5)
+    with pytest.raises(RunError, match="flash_attention_2 needs the flash-attn package|runs on CUDA GPUs only"):
+        options(workspace, "attn-flash", attn_implementation="flash_attention_2")
+    assert not (workspace / "attn-flash").exists()

@@ -6,9 +6,12 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Dict
 
+import torch
+
 from .. import parallel
 from ..errors import RunError
 from ..methods import create
+from ..models import check_attention
 from .tracking import backends_of
 
 
@@ -29,6 +32,7 @@ class TrainOptions:
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0        # gradient clipping (0 = off)
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (HF's, non-reentrant)
+    attn_implementation: str = "sdpa"  # transformers' attention backend: sdpa | eager | flash_attention_2
     probe_blocks: int = 8             # general blocks used to probe layers and score units
     eval_blocks: int = 16             # held-out blocks per corpus for evaluation
     save_every: int = 20              # checkpoint every N steps (0 = never)
@@ -77,6 +81,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError("--parallel fsdp2 shards the model over the processes of torchrun: launch with "
                        "`torchrun --nproc-per-node N` (N >= 2), or leave --parallel at ddp for one process")
     backends_of(cfg.report_to)  # an unknown or missing backend: an error before anything trains
+    check_attention(cfg.attn_implementation, "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda")
     method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
     if cfg.parallel == "fsdp2" and not method.shardable:
         raise RunError(f"method {cfg.method} cannot train a model sharded by FSDP2 (its hooks need the whole "
