@@ -115,16 +115,15 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
     real = loop_module.train_steps
     calls = {"n": 0}
 
-    def interrupting(*args):
+    def interrupting(*args, after_step, **kwargs):
         calls["n"] += 1
-        *head, after = args
         if calls["n"] == 2:  # inside the second task, after 3 of its 4 steps (checkpoint at step 2)
             def stop_after_three(step):
-                after(step)
+                after_step(step)
                 if step == 3:
                     raise KeyboardInterrupt
-            return real(*head, stop_after_three)
-        return real(*args)
+            return real(*args, after_step=stop_after_three, **kwargs)
+        return real(*args, after_step=after_step, **kwargs)
 
     monkeypatch.setattr(loop_module, "train_steps", interrupting)
     with pytest.raises(KeyboardInterrupt):

@@ -500,15 +500,14 @@ def _killed_continual_worker(rank, world, port, options, result_file):
 
     real, calls = loop_module.train_steps, []
 
-    def interrupted(*args):
+    def interrupted(*args, after_step, **kwargs):
         calls.append(1)
-        *head, after_step = args
 
         def after(done):
             after_step(done)
             if len(calls) == 2 and done == 3:
                 raise KeyboardInterrupt
-        return real(*head, after)
+        return real(*args, after_step=after, **kwargs)
 
     loop_module.train_steps = interrupted
     with pytest.raises(KeyboardInterrupt):

@@ -51,14 +51,18 @@ def plain_loop(task, batches, cfg):
 
 
 class _RestoreRng(TrainerCallback):
-    """The Trainer seeds every generator when it is built; the runner's draws continue instead."""
+    """The Trainer seeds every generator when it is built and its data loader draws a seed when
+    its iterator starts; the runner's draws continue instead: the state from before the Trainer
+    at the first step (EoupCT's Gumbel noise is drawn in the steps, the next task's adapters after
+    them)."""
 
     def __init__(self):
         self.state = torch.get_rng_state(), random.getstate()
 
-    def on_train_begin(self, *args, **kwargs):
-        torch.set_rng_state(self.state[0])
-        random.setstate(self.state[1])
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            torch.set_rng_state(self.state[0])
+            random.setstate(self.state[1])
 
 
 def trainer_loop(task, batches, cfg, out):
@@ -76,7 +80,6 @@ def trainer_loop(task, batches, cfg, out):
     trainer = Trainer(model=task.model, args=args, train_dataset=rows, optimizers=(optimizer, scheduler),
                       callbacks=[restore, callback], compute_loss_func=callback.compute_loss)
     trainer.train()
-    return None
 
 
 def assert_same_weights(model, saved_dir):

@@ -82,7 +82,7 @@ class TaskHooks:
 
 
 def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
-                desc: str, progress: bool, after_step, tracker=None, step_offset: int = 0) -> int:
+                desc: str, progress: bool, *, after_step, tracker=None, step_offset: int = 0) -> int:
     """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
     batches per step and rank, bf16 autocast when `bf16`, gradient clipping), the loss from
     `task.loss`; appends the loss (mean over ranks) to `history["train"]`, shows loss and tokens/s
@@ -187,7 +187,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     model.train()
     try:
         train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
-                    progress, after_step, tracker, step_offset)
+                    progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
     except KeyboardInterrupt:
         if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
             log(f"interrupted in {desc} at step {step}: continue from the last checkpoint in {out} with --resume")
