@@ -124,6 +124,9 @@ HELP = {
                 "optimizer state sharded per decoder layer while training; not o_lora, deal, eoupct)",
     "attn_implementation": "transformers' attention backend: sdpa (PyTorch's scaled_dot_product_attention), "
                            "eager, or flash_attention_2 (needs the flash-attn package and a CUDA GPU)",
+    "mix_general": "share of the training blocks drawn from the general corpus's training split (never its "
+                   "held-out or probe blocks), spread evenly over the batches: general-data mixing against "
+                   "forgetting (0 = off; in continual: of every task's blocks)",
     "report_to": "live tracking of losses, lr, grad norm, tokens/s, peak memory and every evaluation: none, or "
                  "a comma-separated list of tensorboard (event files in --out/runs), mlflow (--out/mlruns unless "
                  "MLFLOW_TRACKING_URI is set), wandb, trackio; rank 0 only",

@@ -153,6 +153,13 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     out = prepare_out(cfg, "continual") if main else out
     parallel.barrier(device)
     general_probe = list(g_train.first(cfg.probe_blocks).batches(cfg.batch_size))
+    general_mixed = g_train.after(cfg.probe_blocks)  # --mix-general draws from here: never probe or held-out blocks
+
+    def train_batches(t):
+        """Task t's training batches: the method's blocks (replay adds earlier tasks') with a
+        `mix_general` share of general blocks, seeded per task."""
+        mixed = data.mix_blocks(method.train_blocks(blocks, t), general_mixed, cfg.mix_general, cfg.seed * 1000 + t)
+        return mixed.batches(cfg.batch_size)
     evaluator = Evaluator(cfg, tasks, list(g_held.first(cfg.eval_blocks).batches(cfg.batch_size)), device,
                           tokenizer.eos_token_id, progress, method)
     blocks = [t.train for t in tasks]
@@ -186,7 +193,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             hooks.first_step = checkpoint["step"] if resuming else 0
             extras = {}
             fit = fit_task(model, method, cfg, device, bf16,
-                           lambda prepared, t=t: method.train_blocks(blocks, t).batches(cfg.batch_size), task_history,
+                           lambda prepared, t=t: train_batches(t), task_history,
                            out=out, desc=f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})",
                            general_probe=general_probe,
                            domain_probe=list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size)), task_index=t,

@@ -66,6 +66,9 @@ def config_from(overrides: Dict) -> RunConfig:
     if isinstance(overrides.get("boundary"), int):  # TOML: boundary = 12
         overrides = {**overrides, "boundary": str(overrides["boundary"])}
     cfg = options_from(RunConfig, overrides)
+    if cfg.mix_general and cfg.streaming:
+        raise RunError("--mix-general draws from the general corpus's shuffled training split, which --streaming "
+                       "does not build: drop one of them")
     if cfg.eval_every < 0:
         raise RunError(f"eval_every must be >= 0 (0 = only at the end), got {cfg.eval_every}")
     if cfg.diagnosis_queries < 1:
@@ -88,9 +91,11 @@ class Corpora:
 
     Default: each corpus is cut into blocks (`data.corpus_blocks`: file, folder and saved-dataset
     corpora through Hugging Face datasets, memory-mapped) and split by a seeded shuffle, 10 % held
-    out; the training batches are read lazily. `streaming`: blocks in corpus order (no shuffle,
-    no cache): the first `eval_blocks` are held out, the probe blocks follow, the domain's
-    training batches are everything after the held-out blocks, read as the run consumes them."""
+    out; the training batches are read lazily, with `mix_general` of them general blocks that are
+    neither held out nor probe or diagnosis blocks (`general_mixed`). `streaming`: blocks in
+    corpus order (no shuffle, no cache): the first `eval_blocks` are held out, the probe blocks
+    follow, the domain's training batches are everything after the held-out blocks, read as the
+    run consumes them."""
 
     def __init__(self, cfg, tokenizer):
         self.tokenizer = tokenizer
@@ -108,7 +113,8 @@ class Corpora:
         self.general_context = list(g_train.first(cfg.diagnosis_queries).batches(b))  # diagnosis
         self.general_eval = list(g_held.first(cfg.eval_blocks).batches(b))
         self.domain_eval = list(d_held.first(cfg.eval_blocks).batches(b))
-        self.domain_train = d_train.batches(b)
+        self.general_mixed = g_train.after(max(cfg.probe_blocks, cfg.diagnosis_queries))
+        self.domain_train = data.mix_blocks(d_train, self.general_mixed, cfg.mix_general, cfg.seed).batches(b)
         self.domain_probe = list(d_train.first(cfg.probe_blocks).batches(b))  # placements
 
     def _streamed(self, cfg, tokenizer):

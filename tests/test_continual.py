@@ -254,3 +254,29 @@ def test_report_to_tensorboard_writes_scores_and_running_metrics(workspace):
     assert got["continual/AA"][-1] == (2 * steps, pytest.approx(report["metrics"]["AA"], rel=1e-6))
     assert got["continual/BWT"] == [(2 * steps, pytest.approx(report["metrics"]["BWT"], rel=1e-6))]
     assert all(p["tokens_per_second"] > 0 for p in report["per_task"])
+
+
+def test_mix_general_puts_general_training_blocks_into_every_task(workspace, monkeypatch):
+    """--mix-general 0.25 in a sequence: each task trains on its own blocks, every one once and in
+    order, with about a quarter general-corpus training blocks among them (never a probe block)."""
+    import adept_ext.continual as continual_module
+
+    tokenizer = load_model(workspace / "tiny")[1]
+    tasks = load_tasks(f"{workspace / 'docs.txt'},{workspace / 'topics.jsonl'}", tokenizer, 32, seed=0)
+    g_train, _ = data.split_views(data.corpus_blocks(str(workspace / "general"), tokenizer, 32), 0, "general")
+    rows = lambda batches: [tuple(r.tolist()) for b in batches for r in b["input_ids"]]  # noqa: E731
+    probe, general = set(rows(g_train.first(2).batches(2))), set(rows(g_train.batches(2)))
+    seen, real = [], continual_module.fit_task
+
+    def recording(model, method, cfg, device, bf16, batches, *args, **kwargs):
+        seen.append(rows(batches(None)))
+        return real(model, method, cfg, device, bf16, batches, *args, **kwargs)
+
+    monkeypatch.setattr(continual_module, "fit_task", recording)
+    run(options(workspace, "mixed-seq", method="seq_lora", mix_general=0.25), progress=False, log=quiet)
+    assert len(seen) == len(tasks)
+    for task, trained in zip(tasks, seen):
+        own = rows(task.train.batches(2))
+        assert [r for r in trained if r not in general] == own
+        mixed = [r for r in trained if r in general]
+        assert not set(mixed) & probe and 0.2 <= len(mixed) / len(trained) <= 0.3

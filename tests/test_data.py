@@ -95,3 +95,29 @@ def test_block_errors(tokenizer):
         data.token_blocks(["x"], tokenizer, block_len=8, pack=False)
     with pytest.raises(ValueError, match="block_len"):
         data.token_blocks(["hello"], tokenizer, block_len=1)
+
+
+def test_mix_blocks_spreads_a_fraction_of_extra_blocks_evenly():
+    from adept_ext.data import BlockSet, TensorBlocks, mix_blocks
+
+    def blocks(start, n):
+        ids = torch.arange(start, start + 2 * n).view(n, 2)
+        return BlockSet(TensorBlocks({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+
+    main, extra = blocks(0, 30), blocks(1000, 4)
+    for fraction in (0.05, 0.25, 0.5):
+        mixed = mix_blocks(main, extra, fraction, seed=3)
+        ids = mixed.tensors()["input_ids"][:, 0].tolist()
+        is_extra = [i >= 1000 for i in ids]
+        assert [i for i in ids if i < 1000] == list(range(0, 60, 2))  # every main block once, in order
+        for n in range(1, len(ids) + 1):  # any prefix holds floor or ceil of n * fraction extra blocks
+            assert abs(sum(is_extra[:n]) - n * fraction) < 1
+        assert mix_blocks(main, extra, fraction, seed=3).tensors()["input_ids"].tolist() == \
+            mixed.tensors()["input_ids"].tolist()  # seeded
+        drawn = [i for i in ids if i >= 1000]
+        assert set(drawn) <= {1000, 1002, 1004, 1006} and len(set(drawn[:4])) == min(4, len(drawn))  # cycled
+    assert mix_blocks(main, extra, 0.0, seed=3) is main
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        mix_blocks(main, extra, 1.0, seed=3)
+    with pytest.raises(ValueError, match="no general blocks are left"):
+        mix_blocks(main, blocks(0, 0), 0.1, seed=3)

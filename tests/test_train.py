@@ -223,6 +223,7 @@ OPTIONS = {
     "diagnosis_task": Opt("context", "bogus", "diagnosis_task must be one of"),
     "diagnosis_queries": Opt(3, 0, "diagnosis_queries must be >= 1"),
     "streaming": Opt(True),
+    "mix_general": Opt(0.25, 1.0, "mix_general must be in [0, 1)"),
     "tasks": Opt("python-docs,bbc-topic", "{missing}", "no such file or folder", TINY[:2], runtime=True),
     "replay_fraction": Opt(0.5, 0.0, "replay_fraction must be in (0, 1]", ("--method", "replay")),
     "replay_base": Opt("lora", "bogus", "replay_base must be one of", ("--method", "replay")),
@@ -259,6 +260,7 @@ CONTINUAL_OPTIONS = {  # where a task sequence differs: its own methods and defa
     "lora_rank": Opt(4, 0, "lora_rank must be >= 1", ("--method", "seq_lora")),
     "normalize": Opt("per_kind", "bogus", "normalize must be one of", ("--method", "adept_seq")),
     "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY[:2], runtime=True),
+    "device": Opt("cpu", "tpu", "device", TINY[:2], runtime=True),
 }
 def option_cases(half: str):
     from dataclasses import fields
@@ -674,3 +676,29 @@ def test_attention_backends_give_the_same_run(workspace, monkeypatch):
     with pytest.raises(RunError, match="flash_attention_2 needs the flash-attn package|runs on CUDA GPUs only"):
         options(workspace, "attn-flash", attn_implementation="flash_attention_2")
     assert not (workspace / "attn-flash").exists()
+
+
+def test_mix_general_trains_on_general_blocks_never_held_out_or_probed(workspace):
+    """--mix-general 0.25: a quarter of the training blocks are general-corpus blocks, spread over
+    the batches, none of them a held-out, probe or diagnosis block; every domain training block
+    still comes once; the run trains on that mixture (other losses than without) and --streaming
+    is refused."""
+    from adept_ext.models import load_model
+    from adept_ext.train import Corpora
+
+    cfg = options(workspace, "mixed", mix_general=0.25, probe_blocks=2, diagnosis_queries=3)
+    tokenizer = load_model(cfg.model)[1]
+    mixed, plain = Corpora(cfg, tokenizer), Corpora(options(workspace, "plain", probe_blocks=2), tokenizer)
+    rows = lambda batches: [tuple(r.tolist()) for b in batches for r in b["input_ids"]]  # noqa: E731
+    general_held = set(rows(mixed.general_eval)) | set(rows(mixed.general_probe)) | set(rows(mixed.general_context))
+    pool = set(rows(mixed.general_mixed.batches(4)))
+    trained, domain = rows(mixed.domain_train), rows(plain.domain_train)
+    from_general = [r for r in trained if r in pool]
+    assert not pool & general_held and not set(trained) & general_held
+    assert [r for r in trained if r not in pool] == domain  # every domain block once, in order
+    assert len(from_general) == len(trained) - len(domain) and 0.2 <= len(from_general) / len(trained) <= 0.3
+    a = run(cfg, progress=False, log=lambda *a: None)
+    b = run(options(workspace, "plain", probe_blocks=2), progress=False, log=lambda *a: None)
+    assert [h["loss"] for h in a["history"]["train"]] != [h["loss"] for h in b["history"]["train"]]
+    with pytest.raises(RunError, match="--mix-general .* --streaming"):
+        options(workspace, "mixed-stream", mix_general=0.1, streaming=True)

@@ -1,6 +1,7 @@
 """Token blocks: documents tokenised and packed into fixed-length blocks with labels, views of
 them (subsets, concatenations, the seeded train / held-out split) and batches."""
 import random
+from fractions import Fraction
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
@@ -150,6 +151,10 @@ class BlockSet:
         """The first `n` blocks (all of them when there are fewer)."""
         return BlockSet(self.source, self.indices[:n])
 
+    def after(self, n: int) -> "BlockSet":
+        """The blocks after the first `n` (what `first(n)` leaves)."""
+        return BlockSet(self.source, self.indices[n:])
+
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Every block as tensors (for small sets: evaluation, probes)."""
         return self.rows(np.arange(len(self)))
@@ -157,6 +162,33 @@ class BlockSet:
     def batches(self, batch_size: int) -> "LazyBatches":
         """Consecutive batches of `batch_size` blocks, each read when it is asked for."""
         return LazyBatches(self, np.arange(len(self)), batch_size)
+
+
+def mix_blocks(main: BlockSet, extra: BlockSet, fraction: float, seed: int) -> BlockSet:
+    """`main`'s blocks in order with a `fraction` f of blocks from `extra` spread evenly among
+    them: block k of the result comes from `extra` when ⌊(k+1)·f⌋ > ⌊k·f⌋ (so any n consecutive
+    blocks hold ⌊n·f⌋ or ⌈n·f⌉ of them), drawn in one seeded shuffle of `extra` (cycled when it
+    is shorter); every block of `main` appears exactly once. General-data mixing against
+    forgetting (`--mix-general`, docs/methods.md §5). A view: nothing is copied."""
+    if not 0 <= fraction < 1:
+        raise InputError(f"the mixed fraction must be in [0, 1), got {fraction}")
+    if fraction == 0:
+        return main
+    if len(extra) == 0:
+        raise InputError("no general blocks are left to mix in: every training block of the general corpus is a "
+                         "probe block (lower --probe-blocks or use a larger corpus)")
+    ratio = Fraction(fraction).limit_denominator(10**6)
+    p, q, n = ratio.numerator, ratio.denominator, len(main)
+    total = n + (n * p) // (q - p)  # the smallest length with n blocks of `main`: total - ⌊total·f⌋ = n
+    while total - (total * p) // q < n:
+        total += 1
+    k = np.arange(total, dtype=np.int64)
+    before = k * p // q  # blocks of `extra` among the first k
+    from_extra = (k + 1) * p // q > before
+    order = np.empty(total, dtype=np.int64)
+    order[~from_extra] = np.arange(n)
+    order[from_extra] = n + np.random.default_rng(seed).permutation(len(extra))[before[from_extra] % len(extra)]
+    return BlockSet(ConcatBlocks([main, extra]), order)
 
 
 def split_views(blocks, seed: int, what: str) -> Tuple[BlockSet, BlockSet]:

@@ -33,6 +33,7 @@ class TrainOptions:
     max_grad_norm: float = 1.0        # gradient clipping (0 = off)
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (HF's, non-reentrant)
     attn_implementation: str = "sdpa"  # transformers' attention backend: sdpa | eager | flash_attention_2
+    mix_general: float = 0.0          # share of the training blocks (each task's) drawn from the general corpus
     probe_blocks: int = 8             # general blocks used to probe layers and score units
     eval_blocks: int = 16             # held-out blocks per corpus for evaluation
     save_every: int = 20              # checkpoint every N steps (0 = never)
@@ -69,6 +70,8 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError(f"lr must be a finite number > 0, got {cfg.lr}")
     if cfg.block_len < 2:
         raise RunError(f"block_len must be >= 2 (a block needs a next token to score), got {cfg.block_len}")
+    if not 0 <= cfg.mix_general < 1:
+        raise RunError(f"mix_general must be in [0, 1), got {cfg.mix_general}")
     if cfg.data_workers < 0:
         raise RunError(f"data_workers must be >= 0 (0 = the CPU count), got {cfg.data_workers}")
     if cfg.device not in ("auto", "cpu", "cuda"):
