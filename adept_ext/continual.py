@@ -26,6 +26,7 @@ import torch
 from . import data, parallel
 from .errors import InputError, RunError
 from .methods import create
+from .lm_loss import loss_path
 from .models import load_model
 from .report import plot_matrix, plot_series
 from .data.tasks import answer_scores, general_blocks, load_tasks
@@ -113,10 +114,12 @@ class Evaluator:
                     scores.append(result["accuracy"])
                 else:
                     result = {"loss": evaluate(scored, data.batches(held, self.cfg.batch_size), self.device,
-                                               f"eval {task.name} ({label})", self.progress)}
+                                               f"eval {task.name} ({label})", self.progress,
+                                               self.cfg.loss_implementation)}
                     scores.append(-result["loss"])
             details.append(result)
-        general = evaluate(model, self.general_eval, self.device, f"eval general ({label})", self.progress)
+        general = evaluate(model, self.general_eval, self.device, f"eval general ({label})", self.progress,
+                           self.cfg.loss_implementation)
         return {"label": label, "scores": scores, "details": details, "general_loss": general}
 
 
@@ -142,6 +145,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     try:
         model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
+        loss = loss_path(model, cfg.loss_implementation)
         workers = data_workers(cfg)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
             tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed, workers)
@@ -150,6 +154,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     check_memory(cfg, model, bf16)
+    log(f"loss: {loss}")
     out = prepare_out(cfg, "continual") if main else out
     parallel.barrier(device)
     general_probe = list(g_train.first(cfg.probe_blocks).batches(cfg.batch_size))
@@ -220,7 +225,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     finally:
         tracker.close()
 
-    report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started)
+    report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started, loss)
     if main:
         atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
         write_report(report, out)
@@ -272,7 +277,7 @@ def _fmt(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:+.4f}"
 
 
-def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds) -> Dict:
+def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds, loss: str) -> Dict:
     matrix = [r["scores"] for r in rows]
     return {"config": asdict(cfg), "method": cfg.method,
             "tasks": [{"name": t.name, "kind": t.kind, "metric": t.metric, "train_blocks": len(t.train),
@@ -282,7 +287,7 @@ def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds) -> 
             "general_forgetting": rows[-1]["general_loss"] - rows[0]["general_loss"],
             "trainable_parameters": [p["trainable_parameters"] for p in per_task],
             "per_task": per_task, "history": history,
-            "machine": {"device": str(device), "threads": torch.get_num_threads(), "bf16": bf16},
+            "machine": {"device": str(device), "threads": torch.get_num_threads(), "bf16": bf16}, "loss": loss,
             "wall_seconds": round(seconds, 1)}
 
 

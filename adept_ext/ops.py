@@ -216,9 +216,11 @@ def linear_cross_entropy(
         raise ValueError(f"{name}: hidden has {hidden.shape[1]} features but weight has {weight.shape[1]}")
     if targets.shape[0] != hidden.shape[0]:
         raise ValueError(f"{name}: {hidden.shape[0]} hidden rows but {targets.shape[0]} targets")
-    if hidden.dtype not in SUPPORTED_DTYPES or weight.dtype != hidden.dtype:
-        raise TypeError(f"{name}: hidden and weight must share a dtype of float32/bfloat16/float16; "
-                        f"got {hidden.dtype} and {weight.dtype}")
+    autocast = torch.is_autocast_enabled(hidden.device.type)  # both are cast to the autocast dtype (below)
+    if hidden.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES or \
+            (weight.dtype != hidden.dtype and not autocast):
+        raise TypeError(f"{name}: hidden and weight must share a dtype of float32/bfloat16/float16 (or run "
+                        f"under autocast); got {hidden.dtype} and {weight.dtype}")
     if targets.dtype != torch.int64:
         raise TypeError(f"{name}: targets must be int64, got {targets.dtype}")
     if not (hidden.device == weight.device == targets.device):
@@ -237,9 +239,10 @@ def linear_cross_entropy(
             raise ValueError(f"{name}: targets[{i}] = {int(targets[i])} is outside [0, {weight.shape[0]}) "
                              f"and is not ignore_index ({ignore_index})")
     check_device_arch(hidden.device)
+    gemm_dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
     return torch.ops.adept_ext.linear_cross_entropy.default(
         hidden, weight, targets, ignore_index,
-        chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, hidden.dtype))
+        chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, gemm_dtype))
 
 
 @torch.library.register_fake("adept_ext::linear_cross_entropy")
@@ -308,6 +311,24 @@ def _linear_cross_entropy_grad(ctx, grad_loss):
 
 torch.library.register_autograd("adept_ext::linear_cross_entropy", _linear_cross_entropy_grad,
                                 setup_context=_linear_cross_entropy_setup_context)
+
+
+def _register_linear_cross_entropy_autocast(device_type: str) -> None:
+    """Under autocast, hidden and weight are cast to the autocast dtype before the op (as
+    `F.linear` is), so the forward GEMM, the tensors saved for backward and the backward's
+    recomputed logits all use that dtype, wherever `backward()` is called. (Registered by hand
+    rather than with `torch.library.register_autocast`, whose cast dtype is fixed: this one
+    reads the active autocast dtype, bfloat16 or float16.)"""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    op = torch.ops.adept_ext.linear_cross_entropy.default
+
+    def kernel(keyset, hidden, weight, targets, ignore_index, chunk_rows):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return op(hidden.to(dtype), weight.to(dtype), targets, ignore_index, chunk_rows)
+
+    _LIB.impl("linear_cross_entropy", kernel, key, with_keyset=True)
 
 
 BASIS_DTYPES = (torch.float32, torch.bfloat16)
@@ -498,3 +519,6 @@ def _register_not_differentiable(name: str) -> None:
 
 for _name in NOT_DIFFERENTIABLE:
     _register_not_differentiable(_name)
+
+for _device_type in ("cpu", "cuda"):
+    _register_linear_cross_entropy_autocast(_device_type)

@@ -29,6 +29,7 @@ from .lens_inputs import context_query_task, fewshot_topic_task
 from .methods import create, method_names
 from .methods.base import REGISTRY
 from .methods.freeze_deep import DIAGNOSIS_TASKS
+from .lm_loss import loss_path
 from .models import load_model
 from .placement import PLACEMENTS
 from .report import plot_loss_curves
@@ -172,7 +173,8 @@ class _RunHooks(TaskHooks):
 
     def evaluate(self, step: int, label=""):
         c = self.corpora
-        result = {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress)
+        result = {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress,
+                                 self.cfg.loss_implementation)
                   for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
         self.tracker.log({f"eval/{name}": value for name, value in result.items()}, step)
         return result
@@ -214,6 +216,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     try:
         model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
+        loss = loss_path(model, cfg.loss_implementation)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     check_memory(cfg, model, bf16)
@@ -225,7 +228,8 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     parallel.barrier(device)
     machine = {"device": str(device), "threads": torch.get_num_threads(), "platform": platform.platform(),
                "bf16": bf16, "processes": parallel.world_size()}
-    report = {"config": asdict(cfg), "stages": {}, "machine": machine}
+    report = {"config": asdict(cfg), "stages": {}, "machine": machine, "loss": loss}
+    log(f"loss: {loss}")
     history = checkpoint["task_history"] if checkpoint else {"train": [], "eval": []}
     tracker = Tracker(cfg.report_to, out, asdict(cfg), cfg.method)
     try:

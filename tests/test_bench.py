@@ -100,7 +100,7 @@ def test_rows_round_trip_through_the_csv(tmp_path):
 def test_every_benchmark_has_a_module_with_run_and_rows():
     import importlib
 
-    assert len(bench.NAMES) == 10
+    assert len(bench.NAMES) == 11
     for name in bench.NAMES:
         module = importlib.import_module(f"bench.{name}")
         assert callable(module.run) and callable(module.rows), name
@@ -120,6 +120,24 @@ def test_rows_of_results_only_a_gpu_or_the_large_size_gives():
              "max_rel_diff_variant_losses": 1e-3}
     rows = probe.rows({"qwen3-0.6b-shape": large})
     assert {r["shape"] for r in rows} == {"qwen3-0.6b-shape, 2 batches x 8x512"} and len(rows) == 8
+
+
+def test_train_step_rows_and_configurations():
+    """Every method against the Trainer, with and without checkpointing (Liger's only when
+    installed), plus our loop on HF's loss; four figures per measured configuration."""
+    from bench import train_step
+
+    configs = train_step.configurations(liger=False)
+    assert len(configs) == len(set(configs)) == 13 and ("full", "adept_ext_hf_loss", False) in configs
+    assert {loop for _, loop, _ in train_step.configurations(liger=True)} >= {"trainer_liger"}
+    results = {"model": "smollm2-135m-shape", "batch": 4, "seq": 2048, "dtype": "float32", "methods": {
+        "full": {"adept_ext": {"tokens_per_s": 90.0, "peak_memory_mb": 500.0, "tokens_per_s_vs_trainer": 0.9,
+                               "peak_memory_vs_trainer": 0.5},
+                 "trainer": {"tokens_per_s": 100.0, "peak_memory_mb": 1000.0, "tokens_per_s_vs_trainer": 1.0,
+                             "peak_memory_vs_trainer": 1.0}}}}
+    rows = train_step.rows(results)
+    assert len(rows) == 8 and {r["shape"] for r in rows} == {"full: smollm2-135m-shape, 4 x 2048 tokens"}
+    assert {(r["provider"], r["metric"]): r["value"] for r in rows}[("adept_ext", "peak_memory_vs_trainer")] == 0.5
 
 
 def test_a_quick_run_appends_its_rows_to_the_csv(tmp_path):

@@ -13,7 +13,7 @@ import gpu_summary  # noqa: E402
 
 STEPS = ["build", "import", "tests", "memcheck", "racecheck", "bench_linear_ce_large", "bench_probe_large",
          "bench_importance_small", "bench_importance_large", "bench_projection_small", "bench_projection_large",
-         "bench_lr_large"]
+         "bench_lr_large", "bench_train_step_large"]
 
 
 def run_script(out, **env):

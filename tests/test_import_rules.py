@@ -3,8 +3,8 @@
 Layers, lowest first; a module may import its own layer and the layers below it, never one above:
 
     0 kernels      ops, reference, _C, _cuda_arch, _build_info
-    1 mechanisms   models, probe, expand, placement, units, lr, optim, projection, lens, lens_inputs, parallel,
-                   report, data (module or data/ package), tasks, large_corpus, errors
+    1 mechanisms   models, lm_loss, probe, expand, placement, units, lr, optim, projection, lens, lens_inputs,
+                   parallel, report, data (module or data/ package), tasks, large_corpus, errors
     2 methods      adept_ext/methods/
     3 training     adept_ext/training/
     4 runners      train.py, continual.py, hf.py (the Trainer integration of methods and mechanisms)
@@ -33,7 +33,7 @@ LAYER_NAMES = ["kernels", "mechanisms", "methods", "training", "runners", "inter
 # Top-level names under adept_ext (a module, or a package with everything in it) and their layer.
 LAYERS = {
     **dict.fromkeys(("ops", "reference", "_C", "_cuda_arch", "_build_info"), KERNELS),
-    **dict.fromkeys(("models", "probe", "expand", "placement", "units", "lr", "optim", "projection", "lens",
+    **dict.fromkeys(("models", "lm_loss", "probe", "expand", "placement", "units", "lr", "optim", "projection", "lens",
                      "lens_inputs", "parallel", "report", "data", "tasks", "large_corpus", "errors"), MECHANISMS),
     "methods": METHODS,
     "training": TRAINING,

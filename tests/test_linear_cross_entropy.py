@@ -358,3 +358,47 @@ def test_backward_never_holds_more_than_one_chunk_of_logits():
     assert mode.numel == chunk * v
     for g, r in zip(got, reference_grads(hidden, weight, targets, grad_loss)):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
+
+
+def _autocast_grads(inputs, dtype, backward_inside: bool):
+    hidden, weight, targets = inputs
+    hidden, weight = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    with torch.autocast(hidden.device.type, dtype=dtype):
+        loss = linear_cross_entropy(hidden, weight, targets).sum()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_in_both_passes(device, dtype):
+    """Under autocast the op runs on hidden and weight cast to the autocast dtype, as F.linear
+    does: the forward and the backward (recomputed logits) in that dtype, so backward() inside
+    and outside the autocast context (PyTorch's mixed-precision recipe) give the same
+    gradients, equal to the op on inputs cast by hand; the gradients reach the fp32 leaves."""
+    hidden, weight, targets = make(40, 16, 300, device, ignore_every=7)
+    inside = _autocast_grads((hidden, weight, targets), dtype, True)
+    outside = _autocast_grads((hidden, weight, targets), dtype, False)
+    for a, b in zip(inside, outside):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    by_hand_h, by_hand_w = hidden.to(dtype).requires_grad_(True), weight.to(dtype).requires_grad_(True)
+    by_hand = linear_cross_entropy(by_hand_h, by_hand_w, targets).sum()
+    by_hand.backward()
+    assert inside[1].dtype == inside[2].dtype == torch.float32
+    torch.testing.assert_close(inside[0], by_hand.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(inside[1], by_hand_h.grad.float(), rtol=0, atol=0)
+    torch.testing.assert_close(inside[2], by_hand_w.grad.float(), rtol=0, atol=0)
+
+
+def test_autocast_accepts_mixed_dtypes_and_follows_the_autocast_dtype(device):
+    """Under autocast a bf16 hidden with an fp32 weight (an autocast linear's output and a master
+    weight) is accepted and both run in the autocast dtype; outside autocast the pair is refused."""
+    hidden, weight, targets = make(9, 8, 20, device)
+    with pytest.raises(TypeError, match="share a dtype"):
+        linear_cross_entropy(hidden.bfloat16(), weight, targets)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        mixed = linear_cross_entropy(hidden.bfloat16(), weight, targets)
+    torch.testing.assert_close(mixed, linear_cross_entropy(hidden.bfloat16(), weight.bfloat16(), targets),
+                               rtol=0, atol=0)

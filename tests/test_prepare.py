@@ -99,22 +99,26 @@ def method_of(cfg, sequence):
 RUNS = {}
 
 
-def runner_report(workspace, kind, method, **kw):
-    """The runner's report for `method` (run once per module, shared by both loops)."""
-    if (kind, method) not in RUNS:
+def runner_report(workspace, kind, method, loop):
+    """The runner's report for `method` (run once per module and loss, shared by the tests). The
+    Trainer computes the model's own loss: its runner runs --loss-implementation hf, the plain
+    loop's the default (fused), as `task.loss` does."""
+    loss = "hf" if loop == "trainer" else "auto"
+    if (kind, method, loss) not in RUNS:
+        out = f"prepare-{method}-{loss}"
         if kind == "run":
-            cfg = run_options(workspace, f"prepare-{method}", method=method, eval_every=0, save_every=0, **kw)
-            RUNS[kind, method] = cfg, train.run(cfg, progress=False, log=lambda *a: None)
+            cfg = run_options(workspace, out, method=method, eval_every=0, save_every=0, loss_implementation=loss)
+            RUNS[kind, method, loss] = cfg, train.run(cfg, progress=False, log=lambda *a: None)
         else:
-            cfg = sequence_options(workspace, f"prepare-{method}", method=method, save_every=0, **kw)
-            RUNS[kind, method] = cfg, continual.run(cfg, progress=False, log=lambda *a: None)
-    return RUNS[kind, method]
+            cfg = sequence_options(workspace, out, method=method, save_every=0, loss_implementation=loss)
+            RUNS[kind, method, loss] = cfg, continual.run(cfg, progress=False, log=lambda *a: None)
+    return RUNS[kind, method, loss]
 
 
 @pytest.mark.parametrize("loop", ["plain", "trainer"])
 @pytest.mark.parametrize("method", ["adept", "lora", "llama_pro", "freeze_deep"])
 def test_prepare_equals_the_run(workspace, tmp_path, method, loop):
-    cfg, report = runner_report(workspace, "run", method)
+    cfg, report = runner_report(workspace, "run", method, loop)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)
@@ -128,7 +132,8 @@ def test_prepare_equals_the_run(workspace, tmp_path, method, loop):
     else:
         trainer_loop(task, corpora.domain_train, cfg, tmp_path)
     finished = task.finish()
-    assert train.evaluate(finished, corpora.domain_eval, "cpu", progress=False) == pytest.approx(
+    assert train.evaluate(finished, corpora.domain_eval, "cpu", progress=False,
+                          loss_implementation=cfg.loss_implementation) == pytest.approx(
         report["final"]["domain_loss"], rel=1e-6)
     assert_same_weights(finished, cfg.out + "/model")
 
@@ -136,7 +141,7 @@ def test_prepare_equals_the_run(workspace, tmp_path, method, loop):
 @pytest.mark.parametrize("loop", ["plain", "trainer"])
 @pytest.mark.parametrize("method", ["o_lora", "replay", "eoupct", "deal", "adept_seq"])
 def test_prepare_equals_the_sequence(workspace, tmp_path, method, loop):
-    cfg, report = runner_report(workspace, "continual", method)
+    cfg, report = runner_report(workspace, "continual", method, loop)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)

@@ -200,6 +200,7 @@ OPTIONS = {
     "max_grad_norm": Opt(0.5, -1.0, "max_grad_norm must be >= 0"),
     "gradient_checkpointing": Opt(True),
     "attn_implementation": Opt("eager", "flash", "attn_implementation must be one of sdpa, eager"),
+    "loss_implementation": Opt("hf", "logits", "loss_implementation must be one of auto, fused, hf"),
     "probe_blocks": Opt(2, 0, "probe_blocks must be >= 1"),
     "eval_blocks": Opt(2, 0, "eval_blocks must be >= 1"),
     "save_every": Opt(5, -1, "save_every must be >= 0"),
@@ -676,6 +677,22 @@ def test_attention_backends_give_the_same_run(workspace, monkeypatch):
     with pytest.raises(RunError, match="flash_attention_2 needs the flash-attn package|runs on CUDA GPUs only"):
         options(workspace, "attn-flash", attn_implementation="flash_attention_2")
     assert not (workspace / "attn-flash").exists()
+
+
+def test_fused_and_hf_losses_give_the_same_run(workspace):
+    """The default loss (fused linear cross-entropy on the plain head of the tiny Llama) and
+    --loss-implementation hf give the same training and evaluation losses (1e-5 relative, fp32);
+    report.json says which ran."""
+    runs = {impl: run(options(workspace, f"loss-{impl}", method="full", steps=3, loss_implementation=impl),
+                      progress=False, log=lambda *a: None) for impl in ("auto", "hf")}
+    assert runs["auto"]["loss"].startswith("the fused linear cross-entropy")
+    assert runs["hf"]["loss"].startswith("Hugging Face's loss") and "--loss-implementation hf" in runs["hf"]["loss"]
+    for key in ("train", "eval"):
+        got, want = ([[v for k, v in sorted(h.items()) if k != "lr"] for h in r["history"][key]]
+                     for r in (runs["auto"], runs["hf"]))
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            assert a == pytest.approx(b, rel=1e-5)
 
 
 def test_mix_general_trains_on_general_blocks_never_held_out_or_probed(workspace):

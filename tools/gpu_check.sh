@@ -26,7 +26,7 @@ if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
 ALL_STEPS="build import tests memcheck racecheck bench_linear_ce_large bench_probe_large bench_importance_small
-bench_importance_large bench_projection_small bench_projection_large bench_lr_large"
+bench_importance_large bench_projection_small bench_projection_large bench_lr_large bench_train_step_large"
 ALL_STEPS=$(echo $ALL_STEPS)
 for s in ${STEPS:-}; do
   [[ " $ALL_STEPS " == *" $s "* ]] || { echo "FAILED: unknown step '$s' in STEPS (steps: $ALL_STEPS)"; exit 2; }
@@ -143,4 +143,5 @@ bench importance large 75
 bench projection small 45
 bench projection large 120
 bench lr large 120
+bench train_step large 180
 summarise

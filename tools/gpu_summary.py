@@ -24,6 +24,9 @@ GOALS = {
     "6_projection": ">= 1.0x cached-basis torch at 19.3M for every k, >= 0.85 of nominal bandwidth at 487M",
     "7_recompute": "recompute in the training's precision >= 3x faster than the fp32 one",
     "8_step_overhead": "per-unit groups <= 1% step overhead",
+    "26_train_step": "full step at the Llama-3.2-1B shape, 8 x 4096 tokens: fused loss <= 0.8x the Trainer's peak "
+                     "memory at >= 1.0x its tokens/s, with checkpointing <= 0.4x; >= 1.0x Liger's tokens/s at <= its "
+                     "peak memory (when installed)",
 }
 
 
@@ -165,6 +168,16 @@ def figures_and_goals(bench):
         speedup = lr.get("recompute_autocast_speedup_vs_fp32")
         goals["7_recompute"] = None if speedup is None else speedup >= 3
         goals["8_step_overhead"] = lr["step_overhead"] <= 0.01
+    step = get(bench, "train_step_large", "train_step")
+    if step:
+        full = step["methods"]["full"]
+        fig["train_step"] = full
+        ours, liger = full.get("adept_ext", {}), full.get("trainer_liger")
+        goals["26_train_step"] = all_of([
+            ours.get("peak_memory_vs_trainer", 1) <= 0.8, ours.get("tokens_per_s_vs_trainer", 0) >= 1.0,
+            full.get("adept_ext+checkpointing", {}).get("peak_memory_vs_trainer", 1) <= 0.4,
+            None if liger is None else (ours["tokens_per_s"] >= liger["tokens_per_s"]
+                                        and ours["peak_memory_mb"] <= liger["peak_memory_mb"])])
     return fig, {k: {"goal": GOALS[k], "met": goals.get(k)} for k in GOALS}
 
 

@@ -36,6 +36,7 @@ import torch
 
 from ..data import BlockSet
 from ..errors import MethodError
+from ..lm_loss import next_token_loss
 
 REGISTRY: Dict[str, type] = {}
 
@@ -206,9 +207,10 @@ class Method:
         """The training blocks of task `task_index`, given every task's training blocks (default: its own)."""
         return blocks[task_index]
 
-    def loss(self, model, batch) -> torch.Tensor:
-        """The training loss of one micro-batch: the model's next-token loss plus the `penalties`."""
-        loss = model(**batch, use_cache=False).loss
+    def loss(self, model, batch, loss_implementation: str = "auto") -> torch.Tensor:
+        """The training loss of one micro-batch: the model's next-token loss (`lm_loss.next_token_loss`:
+        fused on a plain linear head unless `loss_implementation` is "hf") plus the `penalties`."""
+        loss = next_token_loss(model, batch, loss_implementation)
         for term in self.penalties(getattr(model, "module", model)):  # under DDP: the wrapped model
             loss = loss + term
         return loss

@@ -175,9 +175,9 @@ class Deal(SeqLora):
                      f"DEAL ({config.filter} filter + MLP update on {config.filter_on.upper()}) of the previous "
                      f"rank-{r} LoRA on {len(self.factors)} projections")
 
-    def loss(self, model, batch) -> torch.Tensor:
+    def loss(self, model, batch, loss_implementation: str = "auto") -> torch.Tensor:
         with parametrize.cached():  # each adapted factor computed once per forward
-            return super().loss(model, batch)
+            return super().loss(model, batch, loss_implementation)
 
     def penalties(self, model) -> List[torch.Tensor]:
         """λ1·‖θ_retain‖_a^a and λ2·‖θ_update‖_b^b (docs/methods.md §4)."""

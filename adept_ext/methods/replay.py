@@ -71,8 +71,8 @@ class Replay(Method):
     def attach(self, optimizer):
         self.base.attach(optimizer)
 
-    def loss(self, model, batch):
-        return self.base.loss(model, batch)
+    def loss(self, model, batch, loss_implementation: str = "auto"):
+        return self.base.loss(model, batch, loss_implementation)
 
     def end_task(self, model, out, report):
         return self.base.end_task(model, out, report)

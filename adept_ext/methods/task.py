@@ -14,14 +14,16 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from ..errors import InputError
+from ..lm_loss import uses_fused_loss
 from .base import Context, Method, Setup
 
 
 class Task:
     """A method prepared on a model for one task: its param groups, optimizer hooks, loss and finish."""
 
-    def __init__(self, model, method: Method, setup: Setup):
+    def __init__(self, model, method: Method, setup: Setup, loss_implementation: str = "auto"):
         self.model, self.method, self.setup = model, method, setup
+        self.loss_implementation = loss_implementation
 
     @property
     def param_groups(self) -> List[Dict]:
@@ -59,9 +61,11 @@ class Task:
             yield self.to_device(batch)
 
     def loss(self, batch: Dict[str, torch.Tensor], model=None) -> torch.Tensor:
-        """The method's training loss of one micro-batch (the task loss plus its penalty, if any);
-        `model`: the module to run when it is wrapped (DDP), else the prepared model."""
-        return self.method.loss(self.model if model is None else model, self.to_device(batch))
+        """The method's training loss of one micro-batch (the task loss, fused unless the head needs
+        Hugging Face's, plus its penalty, if any); `model`: the module to run when it is wrapped
+        (DDP), else the prepared model."""
+        return self.method.loss(self.model if model is None else model, self.to_device(batch),
+                                self.loss_implementation)
 
     def step_note(self) -> str:
         """What the next optimizer step does besides updating (for a progress bar), or ""."""
@@ -88,19 +92,22 @@ def prepare(model, method: Method, *, lr: float, total_steps: int, general_probe
             domain_probe: Sequence = (), weight_decay: float = 0.01, seed: int = 0, task_index: int = 0,
             autocast_dtype: Optional[torch.dtype] = None,
             diagnosis_batches: Optional[Callable[[], List[Dict[str, torch.Tensor]]]] = None,
-            layers: Optional[List[int]] = None, progress: bool = True, log: Callable = print) -> Task:
+            layers: Optional[List[int]] = None, loss_implementation: str = "auto", progress: bool = True,
+            log: Callable = print) -> Task:
     """Check `method` against `model`, then prepare it for one task (freeze, expand, wrap, score
     units: whatever the method does) and return the `Task`. `general_probe`: general-domain
     batches (ADEPT's probe and unit importance); `domain_probe`: the task's (placements);
-    `task_index`: 0-based position in a sequence; `layers`: a layer choice to replay (resume).
-    InputError before anything changes for impossible training settings."""
+    `task_index`: 0-based position in a sequence; `layers`: a layer choice to replay (resume);
+    `loss_implementation`: auto | fused | hf (`lm_loss`). InputError before anything changes for
+    impossible training settings."""
     if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
         raise InputError(f"lr must be a finite number > 0, got {lr!r}")
     if not (isinstance(total_steps, int) and total_steps >= 1):
         raise InputError(f"total_steps must be an int >= 1, got {total_steps!r}")
     if not weight_decay >= 0:
         raise InputError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    uses_fused_loss(model, loss_implementation)  # an unknown name, or fused on a head it cannot reproduce
     method.check(model)
     ctx = Context(general_probe, domain_probe, progress, autocast_dtype, task_index, diagnosis_batches, log,
                   lr=lr, weight_decay=weight_decay, total_steps=total_steps, seed=seed)
-    return Task(model, method, method.prepare(model, ctx, layers=layers))
+    return Task(model, method, method.prepare(model, ctx, layers=layers), loss_implementation)

@@ -5,6 +5,8 @@ import torch
 
 from .. import parallel
 from ..errors import RunError
+from ..lm_loss import uses_fused_loss
+from ..ops import default_chunk_rows
 
 
 def device_for(cfg) -> torch.device:
@@ -28,12 +30,17 @@ def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int
     AdamW moments (fp32) of the `trainable` parameters (divided among `shards` ranks under FSDP2),
     and one micro-batch's activations (halved under bf16 autocast). Called before anything is
     written (trainable = 0: can the model run at all?) and again once the method has chosen what
-    trains. The estimate is in the message."""
+    trains. The fused loss holds one chunk of logits instead of the micro-batch's B×T×V. The
+    estimate is in the message."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = trainable * 4 * 3 // shards
-    per_token = 4 * c.num_hidden_layers * (16 * c.hidden_size + 4 * c.intermediate_size) + 8 * c.vocab_size
+    fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
+    logits = 0 if fused else 8 * c.vocab_size
+    per_token = 4 * c.num_hidden_layers * (16 * c.hidden_size + 4 * c.intermediate_size) + logits
     activations = cfg.batch_size * cfg.block_len * per_token // (2 if bf16 else 1)
+    if fused:
+        activations += 8 * c.vocab_size * default_chunk_rows(c.vocab_size, device_for(cfg), torch.float32)
     need = weights + optimizer + activations
     if device_for(cfg).type == "cuda":
         available = torch.cuda.mem_get_info()[0] + weights  # the weights are already on the device

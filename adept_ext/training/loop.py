@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import parallel
+from ..lm_loss import next_token_loss
 from ..methods.task import Task, prepare
 from ..optim import GroupedAdamW
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
@@ -18,8 +19,9 @@ from .rundir import CHECKPOINT, atomic_write
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, desc="eval", progress=True) -> float:
-    """Token-weighted mean next-token loss on `batches`."""
+def evaluate(model, batches, device, desc="eval", progress=True, loss_implementation: str = "auto") -> float:
+    """Token-weighted mean next-token loss on `batches` (`lm_loss.next_token_loss`: fused on a
+    plain linear head unless `loss_implementation` is "hf")."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -27,7 +29,7 @@ def evaluate(model, batches, device, desc="eval", progress=True) -> float:
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             batch = {k: v.to(device) for k, v in batch.items()}
             n = int((batch["labels"][:, 1:] != -100).sum())
-            total += float(model(**batch, use_cache=False).loss) * n
+            total += float(next_token_loss(model, batch, loss_implementation)) * n
             count += n
     finally:
         model.train(was_training)
@@ -150,7 +152,8 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     task = prepare(model, method, general_probe=general_probe, domain_probe=domain_probe, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, total_steps=cfg.steps, seed=cfg.seed, task_index=task_index,
                    autocast_dtype=torch.bfloat16 if bf16 else None, diagnosis_batches=diagnosis_batches,
-                   layers=checkpoint["layers"] if checkpoint else None, progress=progress, log=log)
+                   layers=checkpoint["layers"] if checkpoint else None,
+                   loss_implementation=cfg.loss_implementation, progress=progress, log=log)
     n_trainable = sum(p.numel() for p in task.trainable)
     check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
     hooks.prepared(task, n_trainable)

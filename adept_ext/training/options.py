@@ -10,6 +10,7 @@ import torch
 
 from .. import parallel
 from ..errors import RunError
+from ..lm_loss import LOSS_IMPLEMENTATIONS
 from ..methods import create
 from ..models import check_attention
 from .tracking import backends_of
@@ -33,6 +34,7 @@ class TrainOptions:
     max_grad_norm: float = 1.0        # gradient clipping (0 = off)
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (HF's, non-reentrant)
     attn_implementation: str = "sdpa"  # transformers' attention backend: sdpa | eager | flash_attention_2
+    loss_implementation: str = "auto"  # next-token loss: auto (fused on a plain linear head) | fused | hf
     mix_general: float = 0.0          # share of the training blocks (each task's) drawn from the general corpus
     probe_blocks: int = 8             # general blocks used to probe layers and score units
     eval_blocks: int = 16             # held-out blocks per corpus for evaluation
@@ -72,6 +74,9 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError(f"block_len must be >= 2 (a block needs a next token to score), got {cfg.block_len}")
     if not 0 <= cfg.mix_general < 1:
         raise RunError(f"mix_general must be in [0, 1), got {cfg.mix_general}")
+    if cfg.loss_implementation not in LOSS_IMPLEMENTATIONS:
+        raise RunError(f"loss_implementation must be one of {', '.join(LOSS_IMPLEMENTATIONS)}, "
+                       f"got {cfg.loss_implementation!r}")
     if cfg.data_workers < 0:
         raise RunError(f"data_workers must be >= 0 (0 = the CPU count), got {cfg.data_workers}")
     if cfg.device not in ("auto", "cpu", "cuda"):

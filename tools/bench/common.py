@@ -44,6 +44,24 @@ def median_time(fn, device, repeats, warmup=2):
 
 
 # ---------------------------------------------------------------- peak memory
+def measure_peak_mb(fn, device):
+    """(fn(), the peak extra memory of the call in MB), in this process: on a GPU the CUDA
+    allocator's peak above what was allocated before the call; on a CPU the resident set's
+    high-water mark above its size before the call."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    base = _status_kb("VmRSS")
+    out = fn()
+    return out, (_status_kb("VmHWM") - base) / 1024
+
+
 def peak_mb(fn, device, fresh=None):
     """Peak extra memory of fn() in MB: on a GPU the CUDA allocator's peak above what was allocated
     before the call; on a CPU the resident set's high-water mark above its size before the call.
@@ -52,15 +70,8 @@ def peak_mb(fn, device, fresh=None):
     earlier cannot hide the peak: a picklable fresh(setup_only=False, state=None) such as
     functools.partial(run_probe_method, method, n, "cpu"); the child calls fresh(setup_only=True)
     for the state (its memory is the baseline), then measures fresh(state=state)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    if fresh is None:
-        return _rss_peak_mb(fn)
+    if device.type == "cuda" or fresh is None:
+        return measure_peak_mb(fn, device)[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_fresh_process_peak, args=(queue, fresh))
@@ -76,17 +87,9 @@ def _status_kb(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _rss_peak_mb(fn):
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-    base = _status_kb("VmRSS")
-    fn()
-    return (_status_kb("VmHWM") - base) / 1024
-
-
 def _fresh_process_peak(queue, fresh):
     state = fresh(setup_only=True)
-    queue.put(_rss_peak_mb(functools.partial(fresh, state=state)))
+    queue.put(measure_peak_mb(functools.partial(fresh, state=state), torch.device("cpu"))[1])
 
 
 # ---------------------------------------------------------------- the machine
@@ -133,6 +136,9 @@ def llama1b_layer_shapes(n_layers):
 
 # Random-weight models of realistic shapes, built from configs (no downloads): --size large.
 LARGE_MODELS = {
+    "smollm2-135m-shape": ("llama", {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                                     "vocab_size": 49152, "tie_word_embeddings": True}),
     "qwen3-0.6b-shape": ("qwen3", {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                                    "vocab_size": 151936, "tie_word_embeddings": True}),

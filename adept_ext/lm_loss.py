@@ -1,0 +1,97 @@
+"""The next-token loss of a causal LM through the fused `linear_cross_entropy` op, so that no
+training or evaluation step holds the B×T×V logits (docs/design.md, "The training loss"):
+
+    loss = Σ_{i: y_i ≠ −100} [logsumexp_v(W h_i)_v − (W h_i)_{y_i}] / #{i: y_i ≠ −100}
+
+with h_i the final norm's output at position i, W the LM head's weight and y the labels shifted
+by one (Hugging Face's `ForCausalLMLoss` with its mean reduction: the same value, within 1e-5
+relative in fp32). The model still runs its own forward, through any DDP, FSDP2 or PEFT
+wrapper (their hooks fire), asked for no logits (`logits_to_keep` is an empty index); a forward
+hook on the final norm takes its output. A head that is not a plain linear map (a bias,
+soft-capped or scaled logits, a wrapped head) would make the fused loss differ from the
+model's own: `hf_head_reason` says why, and `implementation="auto"` then runs HF's loss.
+"""
+from typing import Dict, Optional
+
+import torch
+
+from .errors import InputError
+from .models import adapter
+from .ops import linear_cross_entropy
+
+LOSS_IMPLEMENTATIONS = ("auto", "fused", "hf")
+IGNORE_INDEX = -100  # Hugging Face's label of a position that is not scored
+# Config attributes that change the logits after the head's GEMM, with their neutral value
+# (Gemma 2/3: soft-capping; Granite: logits divided by logits_scaling; Cohere: logit_scale).
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0}
+
+
+def base_model(model):
+    """The Hugging Face model inside a DDP or PEFT wrapper (an FSDP2 model is itself)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def hf_head_reason(model) -> Optional[str]:
+    """Why the fused loss would not equal `model`'s own loss, or None when it would: the LM head
+    must be a plain `nn.Linear` without bias, and no config attribute of LOGIT_TRANSFORMS may
+    change the logits."""
+    hf = base_model(model)
+    head = adapter(hf).lm_head
+    if type(head) is not torch.nn.Linear:
+        return f"its LM head is a {type(head).__name__}, not a plain torch.nn.Linear"
+    if head.bias is not None:
+        return "its LM head has a bias"
+    for attr, neutral in LOGIT_TRANSFORMS.items():
+        value = getattr(hf.config, attr, neutral)
+        if value is not None and value != neutral:
+            return f"its config transforms the logits ({attr}={value})"
+    return None
+
+
+def uses_fused_loss(model, implementation: str = "auto") -> bool:
+    """Whether `next_token_loss(model, batch, implementation)` runs the fused loss ("auto": when
+    `hf_head_reason` is None); InputError for an unknown implementation, or for "fused" on a head
+    it cannot reproduce."""
+    if implementation not in LOSS_IMPLEMENTATIONS:
+        raise InputError(f"loss_implementation must be one of {', '.join(LOSS_IMPLEMENTATIONS)}, "
+                         f"got {implementation!r}")
+    if implementation == "hf":
+        return False
+    reason = hf_head_reason(model)
+    if reason and implementation == "fused":
+        raise InputError(f"--loss-implementation fused cannot reproduce this model's loss: {reason}; "
+                         "use auto or hf")
+    return reason is None
+
+
+def loss_path(model, implementation: str = "auto") -> str:
+    """Which loss `next_token_loss` runs on `model`, and why, in words for the log."""
+    if uses_fused_loss(model, implementation):
+        return "the fused linear cross-entropy on the LM head (no B x T x V logits)"
+    why = "--loss-implementation hf" if implementation == "hf" else hf_head_reason(model)
+    return f"Hugging Face's loss on the full logits ({why})"
+
+
+def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str = "auto") -> torch.Tensor:
+    """The mean next-token loss of `batch` (input_ids, attention_mask, labels) under `model`
+    (a Hugging Face causal LM, or one wrapped by DDP, FSDP2 or PEFT): fused (see the module
+    docstring) for "fused" and for "auto" when `hf_head_reason` is None, else `model(**batch).loss`."""
+    if not uses_fused_loss(model, implementation):
+        return model(**batch, use_cache=False).loss
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    ad = adapter(base_model(model))
+    caught = []
+    handle = ad.final_norm.register_forward_hook(lambda module, args, output: caught.append(output))
+    try:
+        model(**inputs, use_cache=False, logits_to_keep=labels.new_empty(0))
+    finally:
+        handle.remove()
+    hidden = caught[-1]
+    targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
+    losses = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), ad.lm_head.weight, targets,
+                                  ignore_index=IGNORE_INDEX)
+    return losses.sum() / (targets != IGNORE_INDEX).sum()

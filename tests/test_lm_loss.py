@@ -1,0 +1,108 @@
+"""The fused next-token loss (adept_ext.lm_loss) against the model's own loss: values and
+gradients on every supported architecture, tied and untied heads, padding; no full logits;
+heads it cannot reproduce go to Hugging Face's path, and say so."""
+import pytest
+import torch
+
+from adept_ext.errors import InputError
+from adept_ext.lm_loss import hf_head_reason, loss_path, next_token_loss, uses_fused_loss
+from tiny_models import ARCHS, padded_batches, tiny_model
+
+
+def grads_of(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(got, want, rel):
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max().clamp_min(1e-12)
+        assert float((got[name] - want[name]).abs().max() / scale) <= rel, name
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_equals_hf_loss_and_gradients(arch, tie):
+    """fp32: the loss within 1e-5 relative of `model(**batch).loss` (right padding, labels −100
+    at the pads), every parameter's gradient (the head, and with a tied head the embeddings
+    through both uses) within 1e-5 of the largest entry."""
+    model = tiny_model(arch, tie=tie).train()
+    batch = padded_batches()[0]
+    assert uses_fused_loss(model)
+    want_loss = model(**batch).loss
+    want = grads_of(model, want_loss)
+    got_loss = next_token_loss(model, batch)
+    got = grads_of(model, got_loss)
+    assert float(got_loss.detach()) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+    assert_same_grads(got, want, 1e-5)
+
+
+def test_no_full_logits_are_formed():
+    """The LM head is asked for no position (an empty `logits_to_keep`): its output has 0 rows."""
+    model = tiny_model("llama")
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    next_token_loss(model, padded_batches()[0])
+    assert shapes == [(3, 0, model.config.vocab_size)]
+
+
+def test_under_a_peft_wrapper_and_for_an_unscored_row():
+    """Through PEFT's PeftModel (a LoRA adapter): the same loss and adapter gradients as the
+    model's own; a row whose labels are all −100 adds nothing."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(tiny_model("qwen3"), LoraConfig(r=2, target_modules=["q_proj", "down_proj"],
+                                                                init_lora_weights=False))
+    batch = padded_batches()[0]
+    batch["labels"][1] = -100
+    want_loss = peft_model(**batch).loss
+    want = grads_of(peft_model, want_loss)
+    got_loss = next_token_loss(peft_model, batch, "fused")
+    got = grads_of(peft_model, got_loss)
+    assert float(got_loss.detach()) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+    assert_same_grads(got, want, 1e-5)
+
+
+def test_a_head_with_a_bias_runs_hf_loss_and_says_why():
+    """A head the fused op cannot reproduce (here a bias; soft-capped or scaled logits alike):
+    "auto" runs the model's own loss and names the reason, "fused" is refused."""
+    model = tiny_model("llama")
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    batch = padded_batches()[0]
+    assert hf_head_reason(model) == "its LM head has a bias"
+    assert not uses_fused_loss(model, "auto")
+    assert "Hugging Face's loss" in loss_path(model) and "bias" in loss_path(model)
+    assert float(next_token_loss(model, batch)) == float(model(**batch).loss)
+    with pytest.raises(InputError, match="fused cannot reproduce this model's loss: its LM head has a bias"):
+        next_token_loss(model, batch, "fused")
+
+
+@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 30.0), ("logits_scaling", 4.0),
+                                        ("logit_scale", 0.5)])
+def test_logit_transforms_in_the_config_route_to_hf(attr, value):
+    model = tiny_model("llama")
+    setattr(model.config, attr, value)
+    assert hf_head_reason(model) == f"its config transforms the logits ({attr}={value})"
+    with pytest.raises(InputError, match=attr):
+        uses_fused_loss(model, "fused")
+
+
+def test_hf_on_request_and_an_unknown_name():
+    model = tiny_model("llama")
+    assert not uses_fused_loss(model, "hf")
+    assert "--loss-implementation hf" in loss_path(model, "hf")
+    with pytest.raises(InputError, match="loss_implementation must be one of auto, fused, hf"):
+        next_token_loss(model, padded_batches()[0], "liger")
+
+
+def test_bf16_autocast_matches_hf_within_bf16_rounding():
+    """Under bf16 autocast (the training loop's), the fused loss runs its GEMM in bf16 as HF's
+    lm_head does; the two agree to bf16 rounding."""
+    model = tiny_model("llama")
+    batch = padded_batches()[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = model(**batch).loss, next_token_loss(model, batch)
+    assert float(got) == pytest.approx(float(want), rel=2e-2)

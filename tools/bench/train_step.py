@@ -1,0 +1,184 @@
+"""One optimizer step of adept-ext's training loop (`training.train_steps`: the fused loss, bf16
+autocast on a GPU, clipping, GroupedAdamW) against the same step in `transformers.Trainer` (the
+model's own loss on full logits; PEFT for LoRA; `hf.MethodCallback` for ADEPT; Liger's fused
+linear cross-entropy through `use_liger_kernel` when liger-kernel is installed), on the same
+model, batch and sequence length, with and without activation checkpointing, for `full`, `lora`
+and `adept`. Each configuration runs in a fresh process (the peak memory of one cannot hide in
+memory another freed): tokens/s of the median measured step, and the peak memory above the built
+model (CPU: resident set; GPU: the allocator's peak). Shown: the ratios to the Trainer's default
+step of the same method."""
+import functools
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+from bench.common import measure_peak_mb, random_batches, random_model, row
+
+# size: (model shape, batch, sequence length, measured steps). small is the CPU goal's size.
+SIZES = {"small": ("smollm2-135m-shape", 4, 2048, 1), "quick": ("smollm2-135m-shape", 2, 256, 2),
+         "large": ("llama-3.2-1b-shape", 8, 4096, 3)}
+METHODS = ("full", "lora", "adept")
+WARMUP_STEPS = 1
+
+
+def configurations(liger: bool, size: str = "small"):
+    """(method, loop, checkpointing) of every measured step (--size large: `full` only, to fit the
+    GPU check's budget); loop "adept_ext_hf_loss" is our loop with --loss-implementation hf (what
+    the fused loss buys)."""
+    loops = ["adept_ext", "trainer"] + (["trainer_liger"] if liger else [])
+    methods = ("full",) if size == "large" else METHODS
+    configs = [(m, loop, ckpt) for m in methods for loop in loops for ckpt in (False, True)]
+    return configs + [("full", "adept_ext_hf_loss", False)]
+
+
+def liger_installed() -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def prepared_task(method, model, device, steps):
+    import adept_ext
+    from adept_ext.methods import AdeptConfig, FullConfig, LoraMethodConfig
+
+    config = {"full": FullConfig(), "lora": LoraMethodConfig(rank=8), "adept": AdeptConfig(k=4)}[method]
+    probe = random_batches(model.config.vocab_size, 2, 2, 128, device, seed=2)
+    return adept_ext.prepare(model, adept_ext.get_method(config), general_probe=probe, lr=1e-4, total_steps=steps,
+                             progress=False)
+
+
+def our_steps(task, batch, device, bf16, steps, loss_implementation, checkpointing):
+    """`steps` steps of training.train_steps on `batch`; the wall time of each."""
+    from types import SimpleNamespace
+
+    from adept_ext.training import optimizer_for
+    from adept_ext.training.loop import activation_checkpointing, train_steps
+
+    cfg = SimpleNamespace(steps=steps, grad_accum=1, batch_size=batch["input_ids"].shape[0], lr=1e-4,
+                          block_len=batch["input_ids"].shape[1], max_grad_norm=1.0, weight_decay=0.01, warmup_steps=0)
+    task.loss_implementation = loss_implementation
+    activation_checkpointing(task.model, checkpointing)
+    optimizer, scheduler = optimizer_for(task, cfg)
+    stamps = [time.perf_counter()]
+    task.model.train()
+    train_steps(task.model, task, optimizer, scheduler, [batch], cfg, device, bf16, {"train": []}, 0, "", False,
+                after_step=lambda step: stamps.append(time.perf_counter()))
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def trainer_steps(task, method, batch, device, bf16, steps, checkpointing, liger):
+    """`steps` steps of transformers.Trainer on `batch` (its default AdamW and loss); the time of
+    each (on_step_begin to on_step_end)."""
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from adept_ext.hf import MethodCallback
+
+    times = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.start)
+
+    rows = [{k: v[i].cpu() for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
+    callbacks = [Clock()]
+    model = task.model
+    if method == "adept":  # the method's hooks (per-unit rates) in the Trainer
+        callbacks.append(MethodCallback(task))
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=len(rows), max_steps=steps,
+                                 learning_rate=1e-4, max_grad_norm=1.0, report_to=[], save_strategy="no",
+                                 logging_strategy="no", disable_tqdm=True, use_cpu=device.type == "cpu", bf16=bf16,
+                                 gradient_checkpointing=checkpointing, use_liger_kernel=liger,
+                                 gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizers = (torch.optim.AdamW(task.param_groups, lr=1e-4), None) if method == "adept" else (None, None)
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks, optimizers=optimizers).train()
+    return times
+
+
+def measure(config, size, device_name, setup_only=False, state=None):
+    """In a fresh process: build the model (setup) then run the configuration's steps; returns
+    (step times, peak MB above the built model)."""
+    method, loop, checkpointing = config
+    shape, batch_size, seq, steps = SIZES[size]
+    device = torch.device(device_name)
+    bf16 = device.type == "cuda"
+    model = random_model(shape, torch.float32, device)
+    batch = random_batches(model.config.vocab_size, 1, batch_size, seq, device)[0]
+    total = WARMUP_STEPS + steps
+    if loop.startswith("trainer") and method == "lora":
+        from adept_ext.methods.lora import add_lora
+
+        task = type("PeftTask", (), {"model": add_lora(model, 8)})()  # PEFT's own wrapper, as a Trainer user has
+    else:
+        task = prepared_task(method, model, device, total)
+    if loop.startswith("trainer"):
+        run = functools.partial(trainer_steps, task, method, batch, device, bf16, total, checkpointing,
+                                loop == "trainer_liger")
+    else:
+        run = functools.partial(our_steps, task, batch, device, bf16, total,
+                                "hf" if loop == "adept_ext_hf_loss" else "auto", checkpointing)
+    times, peak = measure_peak_mb(run, device)
+    return times[WARMUP_STEPS:], peak
+
+
+def _child(queue, config, size, device_name):
+    queue.put(measure(config, size, device_name))
+
+
+def in_fresh_process(config, size, device_name):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, config, size, device_name))
+    proc.start()
+    result = queue.get()  # before join: the child exits once its result is read
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"train_step {config} failed (exit code {proc.exitcode}; its traceback above)")
+    return result
+
+
+def label(loop, checkpointing):
+    return loop + ("+checkpointing" if checkpointing else "")
+
+
+def run(args, device):
+    size = "quick" if args.quick else args.size
+    shape, batch_size, seq, steps = SIZES[size]
+    tokens = batch_size * seq
+    results = {"model": shape, "batch": batch_size, "seq": seq, "measured_steps": steps,
+               "dtype": "float32" if device.type == "cpu" else "float32 weights, bf16 autocast",
+               "liger_installed": liger_installed(), "methods": {}}
+    print(f"\none optimizer step, {shape}, {batch_size} x {seq} tokens, device {device} "
+          f"({torch.get_num_threads()} threads); each configuration in a fresh process")
+    for method, loop, checkpointing in configurations(results["liger_installed"], size):
+        times, peak = in_fresh_process((method, loop, checkpointing), size, str(device))
+        step_s = statistics.median(times)
+        print(f"{method:6} {label(loop, checkpointing):28} {tokens / step_s:9.1f} tokens/s, peak {peak:8.0f} MB",
+              flush=True)
+        results["methods"].setdefault(method, {})[label(loop, checkpointing)] = {
+            "step_s": step_s, "tokens_per_s": tokens / step_s, "peak_memory_mb": peak}
+    for method, providers in results["methods"].items():
+        base = providers["trainer"]
+        for name, r in providers.items():
+            r["tokens_per_s_vs_trainer"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["peak_memory_vs_trainer"] = r["peak_memory_mb"] / base["peak_memory_mb"]
+            print(f"{method:6} {name:28} {r['tokens_per_s']:9.1f} tokens/s ({r['tokens_per_s_vs_trainer']:5.2f}x) "
+                  f"peak {r['peak_memory_mb']:8.0f} MB ({r['peak_memory_vs_trainer']:5.2f}x)")
+    return results
+
+
+def rows(results):
+    shape = f"{results['model']}, {results['batch']} x {results['seq']} tokens"
+    return [row(name, metric, r[metric], unit, dtype=results["dtype"], shape=f"{method}: {shape}")
+            for method, providers in results["methods"].items() for name, r in providers.items()
+            for metric, unit in (("tokens_per_s", "tokens/s"), ("peak_memory_mb", "MB"),
+                                 ("tokens_per_s_vs_trainer", "x"), ("peak_memory_vs_trainer", "x"))]
