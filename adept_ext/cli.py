@@ -39,7 +39,7 @@ OPTIONS = {  # the options each command shows and takes; run/train/continual tak
 CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
                                                    ("run", "train", "probe", "expand", "eval", "diagnose")}}
 SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "gradient_checkpointing", "report_to",
-                  "loss_implementation",
+                  "loss_implementation", "compile",
                   "resume", "overwrite"}
 ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
            "block_size": "block_len", "seq_len": "block_len", "max_length": "block_len",
@@ -128,6 +128,8 @@ HELP = {
     "loss_implementation": "next-token loss: auto (the fused linear cross-entropy on the LM head, no batch x "
                            "sequence x vocabulary logits, when the head is a plain linear map; else Hugging Face's), "
                            "fused (an error when the head is not plain), or hf (the model's own loss on full logits)",
+    "compile": "torch.compile each decoder layer for the training steps (evaluation runs eager); the first "
+               "steps pay the compilation; off by default",
     "mix_general": "share of the training blocks drawn from the general corpus's training split (never its "
                    "held-out or probe blocks), spread evenly over the batches: general-data mixing against "
                    "forgetting (0 = off; in continual: of every task's blocks)",

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from .. import parallel
 from ..lm_loss import next_token_loss
+from ..models import adapter
 from ..methods.task import Task, prepare
 from ..optim import GroupedAdamW
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
@@ -64,6 +65,18 @@ def activation_checkpointing(model, enable: bool):
     else:
         model.activation_checkpointing_disable()
         model.disable_input_require_grads()
+
+
+def compile_layers(model, enable: bool):
+    """`torch.compile` each decoder layer in place (`nn.Module.compile`: the module, its
+    parameters and state-dict names stay as they are, so checkpoints, FSDP2 and saving see the
+    same model), or undo it. One graph serves every layer of the same shape; hooks and PEFT
+    layers inside a layer are traced with it."""
+    for layer in adapter(model).layers:
+        if enable:
+            layer.compile()
+        else:  # nn.Module.compile keeps the compiled callable here; None is the eager module again
+            layer._compiled_call_impl = None
 
 
 class TaskHooks:
@@ -159,6 +172,8 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     hooks.prepared(task, n_trainable)
     if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
         activation_checkpointing(model, True)
+    if cfg.compile:  # after checkpointing (it wraps the layers' calls) and before sharding, as torchtitan does
+        compile_layers(model, True)
     if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
         task.setup = shard(model, task.setup, bf16)
         trained = model
@@ -198,6 +213,8 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
             save_checkpoint(step)
             log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
         raise
+    if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
+        compile_layers(model, False)
     hooks.trained(step)
     if cfg.gradient_checkpointing:
         activation_checkpointing(model, False)

@@ -35,6 +35,7 @@ class TrainOptions:
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (HF's, non-reentrant)
     attn_implementation: str = "sdpa"  # transformers' attention backend: sdpa | eager | flash_attention_2
     loss_implementation: str = "auto"  # next-token loss: auto (fused on a plain linear head) | fused | hf
+    compile: bool = False             # torch.compile each decoder layer for the training steps
     mix_general: float = 0.0          # share of the training blocks (each task's) drawn from the general corpus
     probe_blocks: int = 8             # general blocks used to probe layers and score units
     eval_blocks: int = 16             # held-out blocks per corpus for evaluation
@@ -88,6 +89,9 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
     if cfg.parallel == "fsdp2" and parallel.launched_world() < 2:
         raise RunError("--parallel fsdp2 shards the model over the processes of torchrun: launch with "
                        "`torchrun --nproc-per-node N` (N >= 2), or leave --parallel at ddp for one process")
+    if cfg.compile and cfg.parallel == "fsdp2":
+        raise RunError("--compile with --parallel fsdp2 is not supported yet (FSDP2's all-gather hooks would be "
+                       "traced inside each compiled layer); use --compile with ddp, or fsdp2 without --compile")
     backends_of(cfg.report_to)  # an unknown or missing backend: an error before anything trains
     check_attention(cfg.attn_implementation, "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda")
     method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
