@@ -134,7 +134,8 @@ def test_train_step_rows_and_configurations():
         "full": {"adept_ext": {"tokens_per_s": 90.0, "peak_memory_mb": 500.0, "tokens_per_s_vs_trainer": 0.9,
                                "peak_memory_vs_trainer": 0.5},
                  "trainer": {"tokens_per_s": 100.0, "peak_memory_mb": 1000.0, "tokens_per_s_vs_trainer": 1.0,
-                             "peak_memory_vs_trainer": 1.0}}}}
+                             "peak_memory_vs_trainer": 1.0},
+                 "trainer+checkpointing": {"error": "exit code -9"}}}}  # killed for memory: no row
     rows = train_step.rows(results)
     assert len(rows) == 8 and {r["shape"] for r in rows} == {"full: smollm2-135m-shape, 4 x 2048 tokens"}
     assert {(r["provider"], r["metric"]): r["value"] for r in rows}[("adept_ext", "peak_memory_vs_trainer")] == 0.5

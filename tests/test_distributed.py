@@ -206,10 +206,15 @@ def run_workspace(tmp_path_factory):
     return write_run_workspace(tmp_path_factory.mktemp("ddp"))
 
 
-@pytest.mark.parametrize("method", ["full", "adept", "lora"])
-def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method):
+SCALE_OPTIONS = {"gradient_checkpointing": True, "mix_general": 0.25}  # issue 26's switches, under the engines
+
+
+@pytest.mark.parametrize("method,extra", [("full", {}), ("adept", {}), ("lora", {}), ("lora", SCALE_OPTIONS)],
+                         ids=["full", "adept", "lora", "lora-checkpointing-mix"])
+def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, extra):
     """2 gloo ranks x grad_accum 1 take the micro-batches one process takes with grad_accum 2: the
-    losses agree to float rounding, rank 0 alone writes, and the model loads with plain transformers."""
+    losses agree to float rounding, rank 0 alone writes, and the model loads with plain transformers.
+    The ranks train on the fused loss, the one process on Hugging Face's (--loss-implementation hf)."""
     from transformers import AutoModelForCausalLM
 
     from adept_ext.train import config_from, run
@@ -217,9 +222,10 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
     ws = run_workspace
     options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
                    method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=4,
-                   eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2)
-    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
-                 log=lambda *a: None)
+                   eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2, **extra)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single"),
+                              "loss_implementation": "hf"}),
+                 progress=False, log=lambda *a: None)
     _assert_like_one_process(_run_ranks({**options, "out": str(tmp_path / "ddp")}, tmp_path), single)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
     assert not any("lora" in n for n, _ in saved.named_parameters())
@@ -246,12 +252,15 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
     assert (tmp_path / "ddp" / "report.json").exists() and (tmp_path / "ddp" / "model").is_dir()
 
 
-@pytest.mark.parametrize("method,tied", [("full", True), ("adept", False), ("llama_pro", False), ("lora", False)])
-def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, tied):
+@pytest.mark.parametrize("method,tied,extra", [("full", True, {}), ("adept", False, {}), ("llama_pro", False, {}),
+                                               ("lora", False, {}), ("full", True, SCALE_OPTIONS)],
+                         ids=["full-tied", "adept", "llama_pro", "lora", "full-tied-checkpointing-mix"])
+def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, tied, extra):
     """FSDP2 (fully_shard per decoder layer, 2 gloo ranks) trains what one process trains with the
     same global batch: the losses agree to 1e-4 relative (float rounding of sharded reductions),
     and the saved model is one plain Hugging Face checkpoint with the trained weights (also with
-    tied embeddings, as SmolLM2 has)."""
+    tied embeddings, as SmolLM2 has). The ranks train on the fused loss (the root gathers the
+    head), the one process on Hugging Face's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from adept_ext.train import config_from, run
@@ -265,9 +274,10 @@ def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_works
         tokenizer.save_pretrained(model_dir)
     options = dict(model=str(model_dir), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
                    method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=3,
-                   eval_blocks=4, eval_every=2, save_every=0, recompute_every=2, lr=1e-3)
-    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
-                 log=lambda *a: None)
+                   eval_blocks=4, eval_every=2, save_every=0, recompute_every=2, lr=1e-3, **extra)
+    single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single"),
+                              "loss_implementation": "hf"}),
+                 progress=False, log=lambda *a: None)
     _assert_like_one_process(_run_ranks({**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}, tmp_path),
                              single)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "model")
