@@ -1,12 +1,14 @@
 """ADEPT Stage 1: selective layer expansion with function-preserving init (docs/methods.md §1.2).
 
-For each chosen layer l a deep copy is inserted right after it; in the copy the attention
-output (`o_proj`) and MLP output (`down_proj`) projections — and their biases — are zeroed, so
-the copy adds nothing to the residual stream and the expanded model computes exactly what the
-original did. Every original parameter is frozen; only the copies train. The bookkeeping that
-keeps the model a plain Hugging Face model is done here: attention `layer_idx` renumbered (KV
-cache), `num_hidden_layers`, `layer_types` and `max_window_layers` updated, tied embeddings
-left tied, and `config.adept = {"expanded_layers": [...], "source_layers": [...]}` recorded.
+For each chosen layer l a deep copy is inserted right after it; in the copy the residual
+outputs its family declares (`models.Family`: the attention output `o_proj` and MLP output
+`down_proj`, or every expert's down projection) — and their biases — are zeroed, so the copy
+adds nothing to the residual stream and the expanded model computes exactly what the original
+did. Every original parameter is frozen; only the copies train. The bookkeeping that keeps the
+model a plain Hugging Face model is done here: attention `layer_idx` renumbered (KV cache),
+`num_hidden_layers`, the per-layer config lists (`layer_types`, SmolLM3's `no_rope_layers`,
+Qwen3-MoE's `mlp_only_layers`) and `max_window_layers` updated, tied embeddings left tied, and
+`config.adept = {"expanded_layers": [...], "source_layers": [...]}` recorded.
 """
 import copy
 from typing import List, Optional, Sequence
@@ -40,11 +42,26 @@ def select_layers(scores, k: Optional[int] = None, trainable_fraction: Optional[
     return sorted(chosen)
 
 
-def _zero_output_projections(layer):
-    for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-        proj.weight.data.zero_()
-        if proj.bias is not None:
-            proj.bias.data.zero_()
+def _zero_output_projections(ad, layer):
+    for tensor in ad.residual_outputs(layer):
+        tensor.data.zero_()
+
+
+def _expanded_lists(config, family, chosen, n):
+    """The config's per-layer lists (`Family.layer_lists`: one entry per layer, duplicated for a
+    copy) and layer-index lists (`Family.layer_index_lists`: indices shifted, a copy added beside
+    its source) for copies after the layers in `chosen` of an n-layer model."""
+    new_index = {i: i + sum(1 for c in chosen if c < i) for i in range(n)}
+    lists = {}
+    for name in family.layer_lists:
+        values = getattr(config, name, None)
+        if values is not None:
+            lists[name] = [v for i, v in enumerate(list(values)[:n]) for _ in range(2 if i in chosen else 1)]
+    for name in family.layer_index_lists:
+        values = getattr(config, name, None)
+        if values is not None:
+            lists[name] = sorted(new_index[i] + k for i in values if i < n for k in range(2 if i in chosen else 1))
+    return lists
 
 
 def expand_layers(model, layers: Sequence[int]) -> List[torch.nn.Parameter]:
@@ -79,12 +96,15 @@ def expand_layers(model, layers: Sequence[int]) -> List[torch.nn.Parameter]:
         new_layers.append(layer)
         if i in chosen:
             clone = copy.deepcopy(layer)
-            _zero_output_projections(clone)
+            _zero_output_projections(ad, clone)
             copies.append((len(new_layers), new_index[i]))
             new_layers.append(clone)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        layer_types = [t for i, t in enumerate(layer_types[:n]) for _ in range(2 if i in chosen else 1)]
+    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
+    if ad.family.moe and sparse_step != 1:  # Qwen MoE: layer i sparse when (i + 1) % step == 0, a pattern a copy breaks
+        raise ValueError(f"decoder_sparse_step={sparse_step}: inserting a layer would change which later layers are "
+                         "mixtures of experts; only decoder_sparse_step 1 (mlp_only_layers lists the dense ones) "
+                         "can be expanded")
+    lists = _expanded_lists(config, ad.family, chosen, n)
     expanded = [new_index[e] for e in previous["expanded_layers"]] + [c for c, _ in copies]
     sources = [new_index[s] for s in previous["source_layers"]] + [s for _, s in copies]
     order = sorted(range(len(expanded)), key=lambda j: expanded[j])
@@ -95,8 +115,8 @@ def expand_layers(model, layers: Sequence[int]) -> List[torch.nn.Parameter]:
         if hasattr(layer, "layer_idx"):
             layer.layer_idx = idx
     config.num_hidden_layers = len(new_layers)
-    if layer_types is not None:
-        config.layer_types = layer_types
+    for name, values in lists.items():
+        setattr(config, name, values)
     if getattr(config, "max_window_layers", None) is not None:
         config.max_window_layers = sum(1 for i in range(min(config.max_window_layers, n))
                                        for _ in range(2 if i in chosen else 1))

@@ -22,13 +22,12 @@ Definitions the paper leaves open, as this module fixes them (all configurable):
 import json
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from .models import adapter
-from .ops import linear_cross_entropy
 from .probe import LayerScores, device_batch, prefix_shared_variants
 from .report import dataclass_json, plot_diagnosis
 from .errors import InputError
@@ -132,8 +131,9 @@ def logit_lens(model, batches: Iterable[Dict[str, torch.Tensor]], threshold: flo
     t* = argmax of the final distribution and P_t(i) = P(i)[t*] at the scored positions
     (batch["score_mask"], else every attended position). Every layer's output is captured
     before the final norm and normed once, so the last layer's P equals the model's output
-    distribution. P_t comes from the fused `linear_cross_entropy` (P_t = exp(−CE(t*))), so no
-    L × T × V tensor is stored. Batches: dicts with input_ids, optionally attention_mask,
+    distribution. P_t comes from the fused `linear_cross_entropy` (P_t = exp(−CE(t*)); with the
+    head's logit scale, and chunked capped logits for a soft-capped head), so no L × T × V tensor
+    is stored. Batches: dicts with input_ids, optionally attention_mask,
     score_mask and answer_ids ([B], then `answer_accuracy` is reported). Raises ValueError for
     empty batches or no scored position; the model is left as it was.
     """
@@ -165,7 +165,7 @@ def logit_lens(model, batches: Iterable[Dict[str, torch.Tensor]], threshold: flo
             rows = ad.final_norm(torch.stack(states))  # [L+1, R, H]
             n = rows.shape[1]
             target = _argmax_rows(rows[-1], weight, chunk_rows)
-            ce = linear_cross_entropy(rows.reshape(-1, rows.shape[-1]), weight, target.repeat(len(states)))
+            ce = ad.head_losses(rows.reshape(-1, rows.shape[-1]), target.repeat(len(states)))
             sums += torch.exp(-ce.double()).view(len(states), n).sum(1)
             positions += n
             if "answer_ids" in batch and n == batch["input_ids"].shape[0]:  # one scored position per row
@@ -197,13 +197,15 @@ def context_masked(mask: Optional[torch.Tensor], context: torch.Tensor, query: t
     return mask.masked_fill(blocked, torch.finfo(mask.dtype).min)
 
 
-def js_divergence_sum(hidden_p: torch.Tensor, hidden_q: torch.Tensor, weight: torch.Tensor,
+def js_divergence_sum(hidden_p: torch.Tensor, hidden_q: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor],
                       chunk_rows: int = 64) -> torch.Tensor:
-    """Σ over rows of JS(softmax(W h_p) ‖ softmax(W h_q)) in nats, `chunk_rows` rows at a time
-    (never all logits at once), in float64 (JS of close distributions cancels badly in float32)."""
+    """Σ over rows of JS(softmax(logits(h_p)) ‖ softmax(logits(h_q))) in nats, `chunk_rows` rows at
+    a time (never all logits at once), in float64 (JS of close distributions cancels badly in
+    float32). `logits`: the model's head (`ModelAdapter.head_logits`: with Granite's scale and
+    Gemma 2's soft-capping)."""
     total = torch.zeros((), dtype=torch.float64, device=hidden_p.device)
     for hp, hq in zip(hidden_p.split(chunk_rows), hidden_q.split(chunk_rows)):
-        lp, lq = (hp @ weight.t()).double().log_softmax(-1), (hq @ weight.t()).double().log_softmax(-1)
+        lp, lq = logits(hp).double().log_softmax(-1), logits(hq).double().log_softmax(-1)
         lm = torch.logaddexp(lp, lq) - math.log(2)
         total += 0.5 * ((lp.exp() * (lp - lm)).sum() + (lq.exp() * (lq - lm)).sum())
     return total
@@ -233,7 +235,6 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
     if not any(b["context_mask"].bool().any() for b in batches):
         raise InputError("context_mask marks no token: there is no context s_1 to mask")
     device = ad.lm_head.weight.device
-    weight = ad.lm_head.weight
     sums = torch.zeros(ad.num_layers, dtype=torch.float64, device=device)
     positions = 0
     was_training = model.training
@@ -259,7 +260,8 @@ def layer_sensitivity(model, batches: Iterable[Dict[str, torch.Tensor]],
                                                      on_layer=lambda d: bar.update(1))
             clean_rows = clean[score]
             for i in range(ad.num_layers):
-                sums[i] += js_divergence_sum(clean_rows, ad.final_norm(variants[i][score]), weight, chunk_rows)
+                sums[i] += js_divergence_sum(clean_rows, ad.final_norm(variants[i][score]), ad.head_logits,
+                                             chunk_rows)
                 bar.update(1)
             positions += int(score.sum())
     finally:

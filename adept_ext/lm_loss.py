@@ -3,7 +3,8 @@ training or evaluation step holds the B×T×V logits (docs/design.md, "The train
 
     loss = Σ_{i: y_i ≠ −100} [logsumexp_v(W h_i)_v − (W h_i)_{y_i}] / #{i: y_i ≠ −100}
 
-with h_i the final norm's output at position i, W the LM head's weight and y the labels shifted
+with h_i the final norm's output at position i (times Granite's 1 / logits_scaling), W the LM
+head's weight and y the labels shifted
 by one (Hugging Face's `ForCausalLMLoss` with its mean reduction: the same value, within 1e-5
 relative in fp32). The model still runs its own forward, through any DDP, FSDP2 or PEFT
 wrapper (their hooks fire), asked for no logits (`logits_to_keep` is an empty index); a forward
@@ -21,9 +22,10 @@ from .ops import linear_cross_entropy
 
 LOSS_IMPLEMENTATIONS = ("auto", "fused", "hf")
 IGNORE_INDEX = -100  # Hugging Face's label of a position that is not scored
-# Config attributes that change the logits after the head's GEMM, with their neutral value
-# (Gemma 2/3: soft-capping; Granite: logits divided by logits_scaling; Cohere: logit_scale).
-LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0}
+# Config attributes that change the logits after the head's GEMM in a way the fused loss cannot
+# reproduce, with their neutral value (Gemma 2/3: soft-capping; Cohere: logit_scale). Granite's
+# division by logits_scaling is linear: the fused loss applies it to h (`ModelAdapter.logit_scale`).
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0}
 
 
 def base_model(model):
@@ -36,8 +38,8 @@ def base_model(model):
 
 def hf_head_reason(model) -> Optional[str]:
     """Why the fused loss would not equal `model`'s own loss, or None when it would: the LM head
-    must be a plain `nn.Linear` without bias, and no config attribute of LOGIT_TRANSFORMS may
-    change the logits."""
+    must be a plain `nn.Linear` without bias, no config attribute of LOGIT_TRANSFORMS may change
+    the logits, and a mixture of experts must not add its router's auxiliary loss to `.loss`."""
     hf = base_model(model)
     head = adapter(hf).lm_head
     if type(head) is not torch.nn.Linear:
@@ -48,6 +50,8 @@ def hf_head_reason(model) -> Optional[str]:
         value = getattr(hf.config, attr, neutral)
         if value is not None and value != neutral:
             return f"its config transforms the logits ({attr}={value})"
+    if getattr(hf.config, "output_router_logits", False):
+        return "its loss includes the router's load-balancing loss (output_router_logits=True)"
     return None
 
 
@@ -90,7 +94,7 @@ def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str =
         model(**inputs, use_cache=False, logits_to_keep=labels.new_empty(0))
     finally:
         handle.remove()
-    hidden = caught[-1]
+    hidden = caught[-1] * ad.logit_scale if ad.logit_scale != 1 else caught[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
     losses = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), ad.lm_head.weight, targets,
                                   ignore_index=IGNORE_INDEX)

@@ -19,7 +19,6 @@ from tqdm.auto import tqdm
 
 from . import parallel
 from .models import adapter
-from .ops import linear_cross_entropy
 from .report import dataclass_json, plot_layer_scores
 
 METHODS = ("bypass", "block_influence", "taylor")
@@ -239,12 +238,10 @@ def _bypass_sums(ad, batch, chunk_rows, max_tokens_per_call, tick):
 
     targets = _shifted_targets(batch).reshape(-1)
     valid = (targets != -100).nonzero().squeeze(1)
-    weight = ad.lm_head.weight
-
     def loss_sums(final_hidden):  # [g, B, T, H] after the final norm -> [g]
         g = final_hidden.shape[0]
         rows = final_hidden.reshape(g, b * t, h)[:, valid].reshape(-1, h)
-        losses = linear_cross_entropy(rows, weight, targets[valid].repeat(g), chunk_rows=chunk_rows)
+        losses = ad.head_losses(rows, targets[valid].repeat(g), chunk_rows=chunk_rows)
         return losses.view(g, -1).double().sum(1)
 
     sums = [loss_sums(base_out[None])]
@@ -293,7 +290,7 @@ def _taylor_sums(ad, batch, chunk_rows, max_tokens_per_call, tick):
             hidden = ad.decoder(inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
                                 use_cache=False).last_hidden_state
             targets = _shifted_targets(batch).reshape(-1)
-            logits = ad.lm_head(hidden).reshape(-1, ad.lm_head.weight.shape[0]).float()
+            logits = ad.head_logits(hidden).reshape(-1, ad.lm_head.weight.shape[0]).float()
             loss_sum = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
             grads = torch.autograd.grad(loss_sum, outs)
     finally:

@@ -55,6 +55,14 @@ def bypass_layer_losses(model, batches):
     return mean_loss(None), [mean_loss(l) for l in range(len(layers))]
 
 
+def head_logits(model, hidden):
+    """The logits a Hugging Face causal LM gives final-norm outputs: lm_head, then Granite's
+    division by `logits_scaling` and Gemma 2's soft-capping c·tanh(z / c), as their forwards do."""
+    logits = model.lm_head(hidden) / getattr(model.config, "logits_scaling", 1.0)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 @torch.no_grad()
 def logit_lens_task_probs(model, batch, score_mask):
     """Naive logit lens (docs/methods.md §3) on one batch: HF hidden states, the final norm on every entry
@@ -65,7 +73,7 @@ def logit_lens_task_probs(model, batch, score_mask):
                 use_cache=False)
     target = out.logits[score_mask].argmax(-1, keepdim=True)
     last = len(out.hidden_states) - 1
-    return torch.stack([model.lm_head(h if i == last else model.model.norm(h))[score_mask].double().softmax(-1)
+    return torch.stack([head_logits(model, h if i == last else model.model.norm(h))[score_mask].double().softmax(-1)
                         .gather(1, target).squeeze(1) for i, h in enumerate(out.hidden_states)])
 
 

@@ -41,13 +41,15 @@ class Unit:
     name: str          # the parameter's name in the model
     layer: int         # index of the copy in the expanded model
     source_layer: int  # index of the layer it was copied from
-    kind: str          # "attention", "mlp" or "norm"
+    kind: str          # "attention", "mlp", "norm" or (mixtures of experts) "router"
     source_name: str   # name of the same tensor in the source layer
 
 
-def _kind(local_name: str) -> str:
+def _kind(local_name: str, moe: bool = False) -> str:
     if "norm" in local_name:
         return "norm"
+    if moe and local_name.startswith("mlp.gate."):  # a mixture of experts' router (its experts stay "mlp")
+        return "router"
     if local_name.startswith("self_attn."):
         return "attention"
     if local_name.startswith("mlp."):
@@ -67,7 +69,8 @@ def partition(model) -> List[Unit]:
     units = []
     for layer, source in zip(expanded, sources):
         for local, _ in ad.layers[layer].named_parameters():
-            units.append(Unit(f"{prefix}.{layer}.{local}", layer, source, _kind(local), f"{prefix}.{source}.{local}"))
+            units.append(Unit(f"{prefix}.{layer}.{local}", layer, source, _kind(local, ad.family.moe),
+                              f"{prefix}.{source}.{local}"))
     return units
 
 

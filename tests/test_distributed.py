@@ -252,25 +252,29 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
     assert (tmp_path / "ddp" / "report.json").exists() and (tmp_path / "ddp" / "model").is_dir()
 
 
-@pytest.mark.parametrize("method,tied,extra", [("full", True, {}), ("adept", False, {}), ("llama_pro", False, {}),
-                                               ("lora", False, {}), ("full", True, SCALE_OPTIONS)],
-                         ids=["full-tied", "adept", "llama_pro", "lora", "full-tied-checkpointing-mix"])
-def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, tied, extra):
+@pytest.mark.parametrize("method,tied,extra,arch", [
+    ("full", True, {}, "llama"), ("adept", False, {}, "llama"), ("llama_pro", False, {}, "llama"),
+    ("lora", False, {}, "llama"), ("full", True, SCALE_OPTIONS, "llama"), ("adept", False, {}, "gemma3_text"),
+    ("adept", False, {}, "qwen3_moe")],
+    ids=["full-tied", "adept", "llama_pro", "lora", "full-tied-checkpointing-mix", "adept-gemma3", "adept-qwen3-moe"])
+def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, tied, extra,
+                                                                       arch):
     """FSDP2 (fully_shard per decoder layer, 2 gloo ranks) trains what one process trains with the
     same global batch: the losses agree to 1e-4 relative (float rounding of sharded reductions),
     and the saved model is one plain Hugging Face checkpoint with the trained weights (also with
-    tied embeddings, as SmolLM2 has). The ranks train on the fused loss (the root gathers the
-    head), the one process on Hugging Face's."""
+    tied embeddings, as SmolLM2 has; and for a dense and a mixture-of-experts family besides
+    Llama). The ranks train on the fused loss (the root gathers the head), the one process on
+    Hugging Face's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from adept_ext.train import config_from, run
 
     ws = run_workspace
     model_dir = ws / "tiny"
-    if tied:
-        model_dir = tmp_path / "tied"
+    if tied or arch != "llama":
+        model_dir = tmp_path / f"{arch}-tied" if tied else tmp_path / arch
         tokenizer = AutoTokenizer.from_pretrained(ws / "tiny")
-        tiny_model("llama", layers=4, vocab=len(tokenizer), tie=True).save_pretrained(model_dir)
+        tiny_model(arch, layers=4, vocab=len(tokenizer), tie=tied).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
     options = dict(model=str(model_dir), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
                    method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=3,

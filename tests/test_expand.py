@@ -3,6 +3,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from adept_ext.expand import expand_layers, select_layers
+from adept_ext.models import adapter
 from adept_ext.probe import layer_importance
 from tiny_models import ARCHS, padded_batches, tiny_model
 
@@ -29,11 +30,19 @@ def test_expansion_preserves_function_and_bookkeeping(arch, tmp_path):
                                             + [types_before[2]] * 2 + [types_before[3]])
     if arch == "qwen2":  # layers >= max_window_layers slide: the threshold moves with the inserted copy of layer 0
         assert model.config.max_window_layers == 3
-    # copies: own storage, zeroed output projections; everything else frozen
+    if arch == "smollm3":  # which layers use RoPE: the copies' entries beside their sources'
+        assert len(model.config.no_rope_layers) == 6
+    if arch == "qwen3_moe":  # layer 2 was dense: now layer 3, and its copy (layer 4) is dense too
+        assert model.config.mlp_only_layers == [3, 4]
+        assert hasattr(model.model.layers[4].mlp, "down_proj") and hasattr(model.model.layers[1].mlp, "experts")
+    # copies: own storage, zeroed residual outputs (o_proj, down_proj or every expert's); everything else frozen
     copy, source = model.model.layers[1], model.model.layers[0]
-    assert copy.self_attn.q_proj.weight.data_ptr() != source.self_attn.q_proj.weight.data_ptr()
-    assert torch.equal(copy.self_attn.q_proj.weight, source.self_attn.q_proj.weight)
-    assert (copy.self_attn.o_proj.weight == 0).all() and (copy.mlp.down_proj.weight == 0).all()
+    zeroed = adapter(model).residual_outputs(copy)
+    assert zeroed and all((t == 0).all() for t in zeroed)
+    assert not all((t == 0).all() for t in adapter(model).residual_outputs(source))
+    kept, src = [(n, p) for n, p in copy.named_parameters() if all(p is not t for t in zeroed)], \
+        dict(source.named_parameters())
+    assert kept and all(torch.equal(p, src[n]) and p.data_ptr() != src[n].data_ptr() for n, p in kept)
     ids = {id(p) for p in trainable}
     assert ids == {id(p) for i in (1, 4) for p in model.model.layers[i].parameters()}
     assert all(p.requires_grad == (id(p) in ids) for p in model.parameters())
@@ -95,15 +104,27 @@ def test_bad_indices_leave_the_model_untouched(layers, match):
     assert all(p.requires_grad for p in model.parameters())
 
 
-def test_moe_and_unsupported_models_are_refused():
-    from transformers import MixtralConfig
+def test_hybrid_and_unsupported_models_are_refused():
+    """A linear-attention hybrid (Qwen3-Next) is refused naming its layers; a Qwen MoE with a
+    sparse step a copy would shift is refused; neither model changes."""
+    from transformers import Qwen3MoeConfig, Qwen3NextConfig
 
-    cfg = MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1, num_local_experts=2)
-    moe = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="unsupported architecture 'mixtral'"):
-        expand_layers(moe, [0])
-    assert len(moe.model.layers) == 2
+    cfg = Qwen3NextConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=2,
+                          num_experts_per_tok=1, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                          linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=1,
+                          linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"])
+    hybrid = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="unsupported architecture 'qwen3_next': its linear-attention layers"):
+        expand_layers(hybrid, [0])
+    assert len(hybrid.model.layers) == 2
+    stepped = AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        decoder_sparse_step=2))
+    with pytest.raises(ValueError, match="decoder_sparse_step=2"):
+        expand_layers(stepped, [0])
+    assert len(stepped.model.layers) == 4 and stepped.config.num_hidden_layers == 4
 
 
 def test_select_by_k_and_by_trainable_fraction():

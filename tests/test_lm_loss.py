@@ -27,10 +27,13 @@ def assert_same_grads(got, want, rel):
 def test_fused_equals_hf_loss_and_gradients(arch, tie):
     """fp32: the loss within 1e-5 relative of `model(**batch).loss` (right padding, labels −100
     at the pads), every parameter's gradient (the head, and with a tied head the embeddings
-    through both uses) within 1e-5 of the largest entry."""
+    through both uses) within 1e-5 of the largest entry; Granite's logit scaling is applied to h.
+    Gemma 2's soft-capped head cannot be fused: it runs the model's own loss, and says so."""
     model = tiny_model(arch, tie=tie).train()
     batch = padded_batches()[0]
-    assert uses_fused_loss(model)
+    assert uses_fused_loss(model) == (arch != "gemma2")
+    if arch == "gemma2":
+        assert "final_logit_softcapping=30.0" in loss_path(model)
     want_loss = model(**batch).loss
     want = grads_of(model, want_loss)
     got_loss = next_token_loss(model, batch)
@@ -80,14 +83,26 @@ def test_a_head_with_a_bias_runs_hf_loss_and_says_why():
         next_token_loss(model, batch, "fused")
 
 
-@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 30.0), ("logits_scaling", 4.0),
-                                        ("logit_scale", 0.5)])
+@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5)])
 def test_logit_transforms_in_the_config_route_to_hf(attr, value):
     model = tiny_model("llama")
     setattr(model.config, attr, value)
     assert hf_head_reason(model) == f"its config transforms the logits ({attr}={value})"
     with pytest.raises(InputError, match=attr):
         uses_fused_loss(model, "fused")
+
+
+def test_a_router_auxiliary_loss_routes_to_hf():
+    """A mixture of experts whose config adds the load-balancing loss to `.loss`
+    (output_router_logits=True) runs the model's own loss, which then differs from the plain
+    next-token loss the fused path would give."""
+    model = tiny_model("qwen3_moe")
+    batch = padded_batches()[0]
+    plain = float(next_token_loss(model, batch))
+    model.config.output_router_logits = True
+    assert "output_router_logits=True" in hf_head_reason(model)
+    with_aux = float(next_token_loss(model, batch))
+    assert with_aux == float(model(**batch).loss) and with_aux != plain
 
 
 def test_hf_on_request_and_an_unknown_name():

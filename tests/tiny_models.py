@@ -1,8 +1,26 @@
 """Tiny real Hugging Face models of every supported architecture (random weights, no downloads)."""
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+from adept_ext.models import family_of
+
+DENSE = ("gemma2", "gemma3_text", "phi3", "olmo2", "olmo3", "granite", "smollm3", "ministral3")
+MOE = ("qwen3_moe", "mixtral", "olmoe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", *DENSE, *MOE)
+# What each family's tiny config adds to the common fields (sliding windows, per-layer lists,
+# Granite's multipliers and logit scaling, a dense layer among Qwen3-MoE's sparse ones).
+EXTRA = {
+    "gemma2": dict(head_dim=8, sliding_window=4, final_logit_softcapping=30.0),
+    "gemma3_text": dict(head_dim=8, sliding_window=4, sliding_window_pattern=2),
+    "olmo3": dict(sliding_window=4),
+    "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                    logits_scaling=8.0),
+    "smollm3": dict(no_rope_layer_interval=2),
+    "ministral3": dict(head_dim=8),
+    "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[2]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+}
 
 
 def tiny_config(arch, layers=4, vocab=97, tie=False):
@@ -18,12 +36,13 @@ def tiny_config(arch, layers=4, vocab=97, tie=False):
     if arch == "qwen3":  # q_norm/k_norm; alternating layer types
         types = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(layers)]
         return Qwen3Config(**common, head_dim=8, use_sliding_window=True, sliding_window=6, layer_types=types)
-    raise ValueError(arch)
+    return CONFIG_MAPPING[arch](**common, **EXTRA.get(arch, {}))
 
 
 def tiny_model(arch, layers=4, seed=0, **kw):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers, **kw), attn_implementation="sdpa")
+    attention = "sdpa" if "sdpa" in family_of(arch).attention else "eager"  # Gemma 2: eager
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers, **kw), attn_implementation=attention)
     with torch.no_grad():  # make every bypass matter: randomise norms and biases too
         for name, p in model.named_parameters():
             if "norm" in name:

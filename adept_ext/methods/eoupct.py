@@ -46,7 +46,7 @@ from .. import parallel
 from ..ops import conflict_correct_, null_space_coeffs
 from ..projection import GradientMemory, NullSpaceProjector
 from .base import Method, MethodConfig, MethodError, Setup, option, register, train_only
-from .lora import TARGET_MODULES, lora_adapters
+from .lora import lora_adapters, target_modules
 
 CHOICES = {"student": ("lora", "full"), "proxy": ("gumbel", "embeds", "none"), "where": ("update", "grad"),
            "target": ("hidden", "logits"), "memory": ("gpm", "delta")}
@@ -141,7 +141,7 @@ class EoupCT(Method):
             from peft import LoraConfig, get_peft_model
 
             r = c.rank
-            config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGET_MODULES)
+            config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=target_modules(model))
             self.peft_model = get_peft_model(model, config)
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             if self.adapter is None:  # first task: PEFT's initialisation (B = 0), nothing merged yet

@@ -1,21 +1,28 @@
 """LoRA (Hu et al., ICLR 2022) through PEFT: a rank-r adapter (alpha = 2r, no dropout) on every
-attention and MLP projection, the base weights frozen; merged into the weights at the end, so
+attention and MLP projection (`target_modules`: the family's, `models.Family.lora_targets`; in a
+mixture of experts the attention and dense-MLP projections, not the fused expert tensors), the
+base weights frozen; merged into the weights at the end, so
 the saved model is a plain Hugging Face checkpoint. `seq_lora`: a fresh adapter per task,
 merged after it (docs/methods.md §5)."""
 from dataclasses import dataclass
 from typing import ClassVar, Dict
 
+from ..models import adapter
 from .base import Method, MethodConfig, Setup, option, register
 
-TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+def target_modules(model):
+    """The projections LoRA adapts in `model` (its family's `lora_targets`)."""
+    return list(adapter(model).family.lora_targets)
 
 
 def add_lora(model, r: int):
-    """`model` wrapped by PEFT with a fresh LoRA adapter of rank r on TARGET_MODULES: alpha = 2r
-    (scaling 2 at every rank), no dropout, PEFT's init (B = 0: the output is unchanged)."""
+    """`model` wrapped by PEFT with a fresh LoRA adapter of rank r on `target_modules(model)`:
+    alpha = 2r (scaling 2 at every rank), no dropout, PEFT's init (B = 0: the output is unchanged)."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGET_MODULES))
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=target_modules(model))
+    return get_peft_model(model, config)
 
 
 def lora_adapters(model):
@@ -54,10 +61,11 @@ class Lora(Method):
 
     def prepare(self, model, ctx, layers=None) -> Setup:
         r = self.config.rank
+        targets = target_modules(model)
         self.peft_model = add_lora(model, r)
         trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
         return Setup(trainable, self.groups(trainable, ctx), [],
-                     f"trains rank-{r} LoRA adapters on {', '.join(TARGET_MODULES)}")
+                     f"trains rank-{r} LoRA adapters on {', '.join(targets)}")
 
     def end_task(self, model, out, report: Dict):
         """Merge the adapter into the weights: a plain model again."""
