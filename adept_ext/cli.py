@@ -88,6 +88,8 @@ HELP = {
     "replay_fraction": "replay: share of every earlier task's training blocks mixed into a later task",
     "replay_base": "replay: on top of seq_full (full) or seq_lora (lora)",
     "o_lora_lambda": "o_lora: weight of the orthogonality penalty between the new and the earlier LoRA A's",
+    "o_lora_penalty": "o_lora: the penalty's norm: fro2 (the paper's squared Frobenius norm of A_i A_t^T) or l1 "
+                      "(the public code's entrywise L1)",
     # deal
     "deal_rank": "deal: LoRA rank",
     "deal_filter": "deal: knowledge-retention filter: wavelet (the paper's heat-kernel network) or haar (the public "

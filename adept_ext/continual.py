@@ -51,6 +51,7 @@ class ContinualConfig(TrainOptions):
     replay_fraction: float = 0.02     # replay: share of each earlier task's training blocks mixed in
     replay_base: str = "full"         # replay: on top of seq_full (full) or seq_lora (lora)
     o_lora_lambda: float = 0.5        # o_lora: weight of the orthogonality penalty
+    o_lora_penalty: str = "fro2"      # o_lora: its norm, fro2 (the paper's ‖A_i A_tᵀ‖²_F) or l1 (the public code's)
     # deal
     deal_rank: int = 8                # deal: LoRA rank
     deal_filter: str = "wavelet"      # deal: retention filter: wavelet (heat-kernel network) | haar (public code)

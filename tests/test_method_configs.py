@@ -71,6 +71,7 @@ def test_the_layer_counts_default_like_their_runners():
 FLAT = {
     "k": 3, "layers": "5,1,1", "boundary": "2", "placement": "uniform", "normalize": "global", "recompute_every": 7,
     "diagnosis_task": "context", "lora_rank": 3, "replay_fraction": 0.5, "replay_base": "lora", "o_lora_lambda": 0.25,
+    "o_lora_penalty": "l1",
     "deal_rank": 5, "deal_filter": "haar", "deal_filter_on": "b", "deal_scales": 2, "deal_lambda1": 0.5,
     "deal_a": 4.0, "deal_lambda2": 0.2, "deal_b": 3.0,
     "eoupct_student": "full", "eoupct_rank": 6, "eoupct_proxy": "embeds", "eoupct_proxy_len": 8,

@@ -230,6 +230,7 @@ OPTIONS = {
     "replay_fraction": Opt(0.5, 0.0, "replay_fraction must be in (0, 1]", ("--method", "replay")),
     "replay_base": Opt("lora", "bogus", "replay_base must be one of", ("--method", "replay")),
     "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0", ("--method", "o_lora")),
+    "o_lora_penalty": Opt("l1", "l2", "o_lora_penalty must be one of fro2, l1", ("--method", "o_lora")),
     "deal_rank": Opt(4, 0, "deal_rank must be >= 1", DEAL),
     "deal_filter": Opt("haar", "bogus", "deal_filter must be one of", DEAL),
     "deal_filter_on": Opt("a", "c", "deal_filter_on must be one of", DEAL),

@@ -139,6 +139,7 @@ class DealConfig(SeqLoraConfig):
 
 @register
 class Deal(SeqLora):
+    records_subspaces = False  # its factors are kept by end_task itself
     name = "deal"
     config_class = DealConfig
     description = "DEAL: the previous LoRA filtered (wavelet kernels) and updated (MLP), merged after each task"

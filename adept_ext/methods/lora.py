@@ -5,7 +5,9 @@ base weights frozen; merged into the weights at the end, so
 the saved model is a plain Hugging Face checkpoint. `seq_lora`: a fresh adapter per task,
 merged after it (docs/methods.md §5)."""
 from dataclasses import dataclass
-from typing import ClassVar, Dict
+from typing import ClassVar, Dict, Optional
+
+import torch
 
 from ..models import adapter
 from .base import Method, MethodConfig, Setup, option, register
@@ -30,6 +32,16 @@ def lora_adapters(model):
     from peft.tuners.lora import LoraLayer
 
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def subspace_overlap(previous: Dict[str, torch.Tensor], model) -> Optional[float]:
+    """Mean over the adapted projections of ‖A_{<t} A_tᵀ‖_F, the overlap of the current task's
+    LoRA subspace with the earlier tasks' (`previous`: their A's stacked per projection; O-LoRA's
+    penalty drives it towards 0; docs/methods.md §5). None before the second task."""
+    norms = [float((previous[name].to(layer.lora_A["default"].weight.device)
+                    @ layer.lora_A["default"].weight.detach().float().T).norm())
+             for name, layer in lora_adapters(model) if name in previous]
+    return sum(norms) / len(norms) if norms else None
 
 
 @dataclass(kw_only=True)
@@ -81,3 +93,27 @@ class SeqLora(Lora):
     description = "a fresh LoRA adapter per task, merged into the weights after it"
     single_domain = False
     sequence = True
+    records_subspaces = True  # keep each task's A's (O-LoRA's penalty reads them) and report the overlap
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.previous: Dict[str, torch.Tensor] = {}  # module name -> earlier tasks' A's stacked [Σ r_i, d_in]
+
+    def end_task(self, model, out, report: Dict):
+        """Report the task's `lora_subspace_overlap` with the earlier tasks' A's, keep its A's,
+        then merge."""
+        if self.records_subspaces:
+            overlap = subspace_overlap(self.previous, model)
+            if overlap is not None:
+                report["lora_subspace_overlap"] = overlap
+            for name, layer in lora_adapters(model):
+                a = layer.lora_A["default"].weight.detach().float()
+                self.previous[name] = torch.cat([self.previous[name].to(a.device), a]) if name in self.previous \
+                    else a.clone()
+        return super().end_task(model, out, report)
+
+    def state_dict(self) -> Dict:
+        return {"previous": {n: a.cpu() for n, a in self.previous.items()}}
+
+    def load_state_dict(self, state: Dict):
+        self.previous = dict(state.get("previous", {}))

@@ -1,12 +1,13 @@
 """O-LoRA (Wang et al., EMNLP 2023 Findings; docs/methods.md §5): a new LoRA (A_t, B_t) per task with the
 earlier tasks' LoRA frozen, and an orthogonality penalty between the new subspace and the old
 ones, loss = L_task + λ Σ_{i<t} ‖A_i A_tᵀ‖²_F per adapted projection (A of shape [r, d_in] as
-PEFT stores it; λ = `lam`, option `o_lora_lambda`, default 0.5). The earlier adapters are merged
+PEFT stores it; λ = `lam`, option `o_lora_lambda`, default 0.5, the public code's); the public
+code's entrywise L1 form λ Σ_{i<t} Σ|A_i A_tᵀ| with `--o-lora-penalty l1`. The earlier adapters are merged
 into the weights after their task — the same function as keeping them frozen beside it — and
 their A's are kept for the penalty.
 """
 from dataclasses import dataclass
-from typing import ClassVar, Dict, List
+from typing import ClassVar, List
 
 import torch
 
@@ -14,16 +15,22 @@ from .base import option, register
 from .lora import SeqLora, SeqLoraConfig, lora_adapters
 
 
+PENALTIES = ("fro2", "l1")
+
+
 @dataclass(kw_only=True)
 class OLoraConfig(SeqLoraConfig):
-    """Each task's LoRA rank, and the penalty's weight λ."""
+    """Each task's LoRA rank, the penalty's weight λ and its norm (`penalty`: fro2, the paper's
+    squared Frobenius norm; l1, the public code's entrywise L1)."""
 
     method: ClassVar[str] = "o_lora"
     lam: float = option(0.5, "o_lora_lambda")
+    penalty: str = option("fro2", "o_lora_penalty")
 
     def __post_init__(self):
         super().__post_init__()
         self.require("lam", self.lam >= 0, "must be >= 0")
+        self.require_one_of("penalty", PENALTIES)
 
 
 @register
@@ -33,12 +40,9 @@ class OLora(SeqLora):
     description = "O-LoRA: a LoRA per task, orthogonal to the earlier tasks' LoRA subspaces"
     shardable = False  # the penalty reads the adapters' whole A outside the forward pass
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.previous: Dict[str, torch.Tensor] = {}  # module name -> earlier A's stacked [Σ r_i, d_in]
-
     def penalties(self, model) -> List[torch.Tensor]:
-        """λ·Σ_i ‖A_i A_tᵀ‖²_F over every adapted projection and earlier task i (docs/methods.md §5)."""
+        """λ·Σ_i ‖A_i A_tᵀ‖²_F (fro2) or λ·Σ_i Σ|A_i A_tᵀ| (l1) over every adapted projection and
+        earlier task i (docs/methods.md §5); the earlier A's are those SeqLora keeps."""
         if not self.previous or self.config.lam == 0:
             return []
         penalty = None
@@ -47,18 +51,7 @@ class OLora(SeqLora):
             old = self.previous[name]
             if old.device != a.device:
                 old = self.previous[name] = old.to(a.device)
-            term = (old @ a.float().T).square().sum()
+            overlap = old @ a.float().T
+            term = overlap.square().sum() if self.config.penalty == "fro2" else overlap.abs().sum()
             penalty = term if penalty is None else penalty + term
         return [self.config.lam * penalty]
-
-    def end_task(self, model, out, report: Dict):
-        for name, layer in lora_adapters(model):
-            a = layer.lora_A["default"].weight.detach().float()
-            self.previous[name] = torch.cat([self.previous[name], a]) if name in self.previous else a.clone()
-        return super().end_task(model, out, report)
-
-    def state_dict(self) -> Dict:
-        return {"previous": {n: a.cpu() for n, a in self.previous.items()}}
-
-    def load_state_dict(self, state: Dict):
-        self.previous = dict(state["previous"])

@@ -5,7 +5,7 @@ earlier task max(1, round(f·n_i)) of its n_i training blocks, f = `fraction` (o
 `seq_full` (default) or `seq_lora` (`base`, option `replay_base`; the LoRA's rank: `rank`)."""
 import random
 from dataclasses import dataclass
-from typing import ClassVar, List
+from typing import ClassVar, Dict, List
 
 from .. import data
 from .base import Method, MethodConfig, get_method, option, register
@@ -76,4 +76,10 @@ class Replay(Method):
 
     def end_task(self, model, out, report):
         return self.base.end_task(model, out, report)
+
+    def state_dict(self) -> Dict:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state: Dict):
+        self.base.load_state_dict(state)
 
