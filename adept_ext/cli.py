@@ -103,6 +103,13 @@ HELP = {
     # eoupct
     "eoupct_student": "eoupct: student: lora (one rank-r adapter kept across tasks) or full (every parameter)",
     "eoupct_rank": "eoupct: LoRA rank of the student",
+    "eoupct_lora_alpha": "eoupct: LoRA alpha of the student, scaling alpha / rank (0: 2 x rank, scaling 2; the "
+                         "public code: rank 4, alpha 32)",
+    "eoupct_target_modules": "eoupct: the student's projections, comma-separated (the public code: gate_proj), or "
+                             "all (every attention and MLP projection of the family)",
+    "eoupct_teacher": "eoupct: the teacher: base (the model before the first task, as the paper and the public code), "
+                      "task_start (the model at the start of the current task) or auto (base; task_start for the "
+                      "full student)",
     "eoupct_proxy": "eoupct: knowledge proxy: gumbel (teacher-generated pseudo-sequence), embeds (the soft prompt "
                     "as inputs_embeds, as the public code) or none",
     "eoupct_proxy_len": "eoupct: soft prompt length (4-32)",

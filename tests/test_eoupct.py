@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from adept_ext.continual import ContinualConfig, run
 from adept_ext.methods import Context, EoupCTConfig, MethodError, create, get_method
+from adept_ext.methods.lora import lora_adapters
 from test_continual import options, quiet, workspace  # noqa: F401  (the module-scoped workspace fixture)
 from tiny_models import padded_batches, tiny_model
 
@@ -282,3 +283,39 @@ def test_every_non_default_option_runs_end_to_end_on_user_task_files(workspace):
     assert len(report["matrix"]) == 3 and report["metrics"]["BWT"] is not None
     assert report["per_task"][0]["summary"].startswith("trains every parameter with EoupCT")
     assert [p["eoupct"]["memory_directions"] for p in report["per_task"]][0] >= 1
+
+
+@pytest.mark.parametrize("teacher", ["auto", "base", "task_start"])
+def test_the_teacher_is_the_model_before_the_first_task_or_at_the_task_start(teacher):
+    """In the second task the LoRA student's teacher computes what the original model computed
+    (auto, base: θ⁰, as the paper and the public code) or what the model computed after the first
+    task (task_start)."""
+    model, method, optimizer = make(proxy="embeds", teacher=teacher)
+    embeds = torch.randn(1, 5, model.config.hidden_size)
+    with torch.no_grad():
+        original = model(inputs_embeds=embeds).logits
+    for batch in padded_batches(n_batches=3):
+        train_step(model, method, optimizer, batch)
+    with torch.no_grad():
+        after_first = model(inputs_embeds=embeds).logits
+    assert (after_first - original).abs().max() > 1e-3
+    model, _ = next_task(model, method)
+    with torch.no_grad():
+        got = method._call(embeds, "teacher").logits
+    want = after_first if teacher == "task_start" else original
+    torch.testing.assert_close(got, want[:, -1:], rtol=1e-5, atol=1e-5)  # the proxy keeps the last logits
+
+
+def test_the_students_scaling_and_projections():
+    """eoupct_lora_alpha sets PEFT's scaling alpha / rank (0: 2 x rank) and eoupct_target_modules
+    the adapted projections (the public code's gate_proj alone); an absent projection is refused."""
+    model, method, _ = make(lora_alpha=32.0, target_modules="gate_proj")
+    layers = [layer for _, layer in lora_adapters(model)]
+    assert {name.rsplit(".", 1)[-1] for name, _ in lora_adapters(model)} == {"gate_proj"}
+    assert all(layer.scaling["default"] == 32.0 / 4 for layer in layers)
+    model, method, _ = make()
+    assert all(layer.scaling["default"] == 2.0 for _, layer in lora_adapters(model))
+    with pytest.raises(MethodError, match="the model has no qkv_proj projections"):
+        make(target_modules="qkv_proj,gate_proj")
+    with pytest.raises(MethodError, match="eoupct_teacher base needs the lora student"):
+        EoupCTConfig(student="full", teacher="base")
