@@ -131,6 +131,17 @@ TABLES = {
          "shape": "SmolLM2-135M, 4 blocks x 128 tokens, batches of 2, 2 cores"}, "",
         by_provider(("1 process (2 threads)", "1_process"), ("2 gloo processes (1 thread each)", "2_processes")),
         [TIME_S, col("speed-up", "x", metric="speedup"), col("max score difference", metric="max_abs_diff_scores")]),
+    "train_step": table(
+        {**CPU_SMALL, "benchmark": "train_step", "dtype": "float32"}, "one step, 4 x 2048 tokens",
+        [(f"`{method}`: {label}", {"provider": provider, "shape": f"{method}: smollm2-135m-shape, 4 x 2048 tokens"})
+         for method in ("full", "lora", "adept")
+         for label, provider in (("adept-ext (fused loss)", "adept_ext"),
+                                 ("adept-ext + checkpointing", "adept_ext+checkpointing"),
+                                 ("adept-ext, HF's loss", "adept_ext_hf_loss"),
+                                 ("Trainer (default)", "trainer"), ("Trainer + checkpointing", "trainer+checkpointing"))
+         if provider != "adept_ext_hf_loss" or method == "full"],
+        [col("tokens/s", "tokens/s", metric="tokens_per_s"), col("× Trainer", "x", metric="tokens_per_s_vs_trainer"),
+         col("peak MB", "MB", metric="peak_memory_mb"), col("memory × Trainer", "x", metric="peak_memory_vs_trainer")]),
     "corpus": table(
         {**CPU_SMALL, "benchmark": "corpus"}, "corpus: load", corpus_rows("100 MB", 100) + corpus_rows("1 GB", 1024),
         [TIME_S, col("M tokens", "M", metric="tokens"), col("M tokens/s", "M tokens/s", metric="throughput"),
