@@ -4,9 +4,9 @@ training or evaluation step holds the B×T×V logits (docs/design.md, "The train
     loss = Σ_{i: y_i ≠ −100} [logsumexp_v(W h_i)_v − (W h_i)_{y_i}] / #{i: y_i ≠ −100}
 
 with h_i the final norm's output at position i (times Granite's 1 / logits_scaling), W the LM
-head's weight and y the labels shifted
-by one (Hugging Face's `ForCausalLMLoss` with its mean reduction: the same value, within 1e-5
-relative in fp32). The model still runs its own forward, through any DDP, FSDP2 or PEFT
+head's weight and y the labels shifted by one (Hugging Face's `ForCausalLMLoss` with its mean
+reduction: the same value, within 1e-5 relative in fp32).
+The model still runs its own forward, through any DDP, FSDP2 or PEFT
 wrapper (their hooks fire), asked for no logits (`logits_to_keep` is an empty index); a forward
 hook on the final norm takes its output. A head that is not a plain linear map (a bias,
 soft-capped or scaled logits, a wrapped head) would make the fused loss differ from the
@@ -18,7 +18,6 @@ import torch
 
 from .errors import InputError
 from .models import adapter
-from .ops import linear_cross_entropy
 
 LOSS_IMPLEMENTATIONS = ("auto", "fused", "hf")
 IGNORE_INDEX = -100  # Hugging Face's label of a position that is not scored
@@ -94,8 +93,7 @@ def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str =
         model(**inputs, use_cache=False, logits_to_keep=labels.new_empty(0))
     finally:
         handle.remove()
-    hidden = caught[-1] * ad.logit_scale if ad.logit_scale != 1 else caught[-1]
+    hidden = caught[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
-    losses = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), ad.lm_head.weight, targets,
-                                  ignore_index=IGNORE_INDEX)
+    losses = ad.head_losses(hidden.reshape(-1, hidden.shape[-1]), targets)  # the fused op, Granite's scale on h
     return losses.sum() / (targets != IGNORE_INDEX).sum()
