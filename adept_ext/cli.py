@@ -97,6 +97,8 @@ HELP = {
                    "code's one-level Haar DWT)",
     "deal_filter_on": "deal: LoRA matrices that are filtered and updated: ab, a or b",
     "deal_scales": "deal: number of heat-kernel scales of the wavelet filter",
+    "deal_new_rank": "deal: rank of the fresh zero-initialised LoRA term the new task learns beside the filtered "
+                     "factors (0: none, the filter and update only)",
     "deal_lambda1": "deal: weight of the retention penalty ‖θ_retain‖_a^a",
     "deal_a": "deal: exponent a of the retention penalty (a >= b)",
     "deal_lambda2": "deal: weight of the update penalty ‖θ_update‖_b^b",

@@ -57,6 +57,7 @@ class ContinualConfig(TrainOptions):
     deal_filter: str = "wavelet"      # deal: retention filter: wavelet (heat-kernel network) | haar (public code)
     deal_filter_on: str = "ab"        # deal: matrices filtered and updated: ab | a | b
     deal_scales: int = 3              # deal: heat-kernel scales of the wavelet filter
+    deal_new_rank: int = 8            # deal: rank of the new task's fresh LoRA term (0: none)
     deal_lambda1: float = 0.01        # deal: weight of ‖θ_retain‖_a^a
     deal_a: float = 10.0              # deal: exponent a (>= b)
     deal_lambda2: float = 0.001       # deal: weight of ‖θ_update‖_b^b

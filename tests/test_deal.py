@@ -33,7 +33,7 @@ def after_first_task(**options):
 
 
 SETTINGS = [dict(), dict(filter="haar"), dict(filter_on="a"), dict(filter_on="b"),
-            dict(filter="haar", filter_on="b", scales=1)]
+            dict(filter="haar", filter_on="b", scales=1), dict(new_rank=0), dict(new_rank=0, filter_on="a")]
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=str)
@@ -68,6 +68,24 @@ def test_merged_model_equals_the_unmerged_deal_model(settings, tmp_path):
     assert torch.equal(logits(method.peft_model, batches), logits(merged, batches))
 
 
+def test_the_new_task_learns_through_the_fresh_term_and_keeps_it():
+    """From task 2 on the fresh term gets gradients, and its factors are the next task's Y."""
+    method, model = after_first_task()
+    method.prepare(model, Context(general_probe=[]))
+    assert len(method.fresh) == 2 * len(method.factors)
+    method.loss(method.peft_model, padded_batches(n_batches=1)[0]).backward()
+    assert all(p.grad is not None for p in method.fresh)
+    assert any(float(p.grad.abs().max()) > 0 for p in method.fresh[1::2])  # F_B: the output moves
+    with torch.no_grad():
+        for p in method.fresh:
+            p.normal_(0, 0.05)
+    fresh = {name: (layer.parametrizations.weight[0].fresh.detach().clone() for layer in
+                    (lora.lora_A["default"], lora.lora_B["default"])) for name, lora in lora_adapters(model)}
+    method.end_task(model, None, {})
+    for name, (f_a, f_b) in fresh.items():
+        assert torch.equal(method.factors[name][0], f_a) and torch.equal(method.factors[name][1], f_b.T)
+
+
 def test_merge_is_exact_up_to_rounding_in_float64():
     method, model = after_first_task()
     setup = method.prepare(model.double(), Context(general_probe=[]))
@@ -99,6 +117,7 @@ BAD = [
     (dict(a=2.0, b=5.0), "deal_a >= deal_b"),
     (dict(b=0.5), "deal_a >= deal_b >= 1"),
     (dict(rank=0), "deal_rank must be >= 1, got 0"),
+    (dict(new_rank=-1), "deal_new_rank must be >= 0, got -1"),
     (dict(scales=0), "deal_scales must be >= 1"),
     (dict(filter="gauss"), "deal_filter must be one of wavelet, haar, got 'gauss'"),
     (dict(filter_on="ba"), "deal_filter_on must be one of ab, a, b"),

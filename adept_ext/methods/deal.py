@@ -12,7 +12,14 @@ previous factors (already merged into W) — a rank-2r PEFT LoRA
 whose weights are parametrizations (torch.nn.utils.parametrize) of the frozen factors. Filter and
 MLP start as exact zero residuals, so ΔA = ΔB = 0 and the output at the start of a task is the
 previous model's exactly; PEFT's merge then leaves a plain checkpoint (zero inference cost).
+
+The free path (`deal_new_rank` m > 0, default 8): the filter and update alone only reshape the
+previous factors and cannot learn a new task, so from task 2 on a fresh rank-m LoRA term
+(F_A Kaiming-uniform, F_B = 0: still exact at the start) is trained beside them —
+lora_A = [ΔA; A₀; F_A], lora_B = [B', ΔB, F_Bᵀ] — and its factors are the next task's Y.
+`deal_new_rank 0` is the paper's text alone.
 """
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List
 
@@ -88,26 +95,35 @@ class Update(nn.Module):
 
 
 class Factor(nn.Module):
-    """Parametrization of one rank-2r PEFT factor from the frozen Y₀ (rank-major [r, n]):
-    ΔY = (X̂ − Y₀) + MLP(X̂). For lora_A [2r, d_in] = [ΔA; A₀]; for lora_B [d_out, 2r] = [B', ΔB]."""
+    """Parametrization of one PEFT factor from the frozen Y₀ (rank-major [r, n]): the filtered and
+    updated residual ΔY = (X̂ − Y₀) + MLP(X̂) (when this factor is filtered, else 0) and the fresh
+    term's factor F (when `new_rank` > 0). For lora_A [2r + m, d_in] = [ΔA; A₀; F_A]; for
+    lora_B [d_out, 2r + m] = [B', ΔB, F_Bᵀ]. F_A starts as PEFT's lora_A (Kaiming-uniform), F_B at 0."""
 
-    def __init__(self, y0: torch.Tensor, is_b: bool, filter_cls, scales: int):
+    def __init__(self, y0: torch.Tensor, is_b: bool, filter_cls, scales: int, filtered: bool, new_rank: int):
         super().__init__()
         self.is_b, self.r = is_b, y0.shape[0]
-        self.filter = filter_cls(y0, scales)
-        self.update = Update(self.r)
+        self.filter = filter_cls(y0, scales) if filtered else None
+        self.update = Update(self.r) if filtered else None
+        fresh = torch.zeros(new_rank, y0.shape[1])
+        if not is_b:
+            nn.init.kaiming_uniform_(fresh, a=math.sqrt(5))
+        self.fresh = nn.Parameter(fresh) if new_rank else None
 
     def delta(self, y0: torch.Tensor) -> torch.Tensor:
+        if self.filter is None:
+            return torch.zeros_like(y0)
         filtered = self.filter()
         return filtered + self.update(y0 + filtered)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        fresh = [] if self.fresh is None else [self.fresh]
         if self.is_b:
             y0 = weight[:, :self.r]
             d = self.delta(y0.T).T
-            return torch.cat([y0 + d, d], 1)
-        y0 = weight[self.r:]
-        return torch.cat([self.delta(y0), y0])
+            return torch.cat([y0 + d, d] + [f.T for f in fresh], 1)
+        y0 = weight[self.r:2 * self.r]
+        return torch.cat([self.delta(y0), y0] + fresh)
 
 
 @dataclass(kw_only=True)
@@ -120,6 +136,7 @@ class DealConfig(SeqLoraConfig):
     filter: str = option("wavelet", "deal_filter")      # wavelet (heat-kernel network) | haar (public code)
     filter_on: str = option("ab", "deal_filter_on")     # the factors filtered and updated: ab | a | b
     scales: int = option(3, "deal_scales")              # heat-kernel scales of the wavelet filter
+    new_rank: int = option(8, "deal_new_rank")          # rank of the new task's fresh LoRA term; 0: none
     lambda1: float = option(0.01, "deal_lambda1")
     a: float = option(10.0, "deal_a")
     lambda2: float = option(0.001, "deal_lambda2")
@@ -130,6 +147,7 @@ class DealConfig(SeqLoraConfig):
         self.require_one_of("filter", FILTERS)
         self.require_one_of("filter_on", FILTER_ON)
         self.require("scales", self.scales >= 1, "must be >= 1")
+        self.require("new_rank", self.new_rank >= 0, "must be >= 0")
         for name in ("lambda1", "lambda2"):
             self.require(name, 0 <= getattr(self, name) < float("inf"), "must be a finite number >= 0")
         if not 1 <= self.b <= self.a < float("inf"):
@@ -150,31 +168,37 @@ class Deal(SeqLora):
         self.factors: Dict[str, tuple] = {}  # module name -> (A' [r, d_in], B' [d_out, r]) of the last task
         self.retain: List[nn.Parameter] = []
         self.updates: List[nn.Parameter] = []
+        self.fresh: List[nn.Parameter] = []
 
     def prepare(self, model, ctx, layers=None) -> Setup:
         if not self.factors:  # task 1: a plain LoRA
             return super().prepare(model, ctx, layers)
         config = self.config
-        r = config.rank
         filter_cls = WaveletFilter if config.filter == "wavelet" else HaarFilter
-        self.peft_model = add_lora(model, 2 * r)  # scaling 2 as at rank r
-        self.retain, self.updates = [], []
+        r, m = len(next(iter(self.factors.values()))[0]), config.new_rank  # the kept factors' rank, the fresh one's
+        self.peft_model = add_lora(model, 2 * r + m)  # scaling 2 as at rank r
+        self.retain, self.updates, self.fresh = [], [], []
         for name, layer in lora_adapters(model):
             a0, b0 = (f.to(layer.lora_A["default"].weight) for f in self.factors[name])
             with torch.no_grad():
-                layer.lora_A["default"].weight.copy_(torch.cat([torch.zeros_like(a0), a0]))
-                layer.lora_B["default"].weight.copy_(torch.cat([b0, torch.zeros_like(b0)], 1))
+                lora_a, lora_b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+                lora_a.copy_(torch.cat([torch.zeros_like(a0), a0, a0.new_zeros(m, a0.shape[1])]))
+                lora_b.copy_(torch.cat([b0, torch.zeros_like(b0), b0.new_zeros(len(b0), m)], 1))
             for key, y0, is_b in (("a", a0, False), ("b", b0.T, True)):
-                if key in config.filter_on:
-                    factor = Factor(y0, is_b, filter_cls, config.scales).to(y0)
+                if key in config.filter_on or m:
+                    factor = Factor(y0, is_b, filter_cls, config.scales, key in config.filter_on, m).to(y0)
                     parametrize.register_parametrization(layer.lora_B["default"] if is_b else layer.lora_A["default"],
                                                          "weight", factor)
-                    self.retain += list(factor.filter.parameters())
-                    self.updates += list(factor.update.parameters())
-        trainable = train_only(model, self.retain + self.updates)
+                    if factor.filter is not None:
+                        self.retain += list(factor.filter.parameters())
+                        self.updates += list(factor.update.parameters())
+                    if factor.fresh is not None:
+                        self.fresh.append(factor.fresh)
+        trainable = train_only(model, self.retain + self.updates + self.fresh)
+        fresh = f" + a fresh rank-{m} LoRA term" if m else ""
         return Setup(trainable, self.groups(trainable, ctx), [],
                      f"DEAL ({config.filter} filter + MLP update on {config.filter_on.upper()}) of the previous "
-                     f"rank-{r} LoRA on {len(self.factors)} projections")
+                     f"rank-{r} LoRA{fresh} on {len(self.factors)} projections")
 
     def loss(self, model, batch, loss_implementation: str = "auto") -> torch.Tensor:
         with parametrize.cached():  # each adapted factor computed once per forward
@@ -188,15 +212,16 @@ class Deal(SeqLora):
                 if params and lam]
 
     def end_task(self, model, out, report: Dict):
-        """Keep the adapted factors (A', B') as the next task's Y, then merge (a plain model again)."""
-        r = self.config.rank
+        """Keep the factors that learned this task as the next task's Y — the fresh term's (F_A, F_B)
+        when there is one, else the adapted (A', B') — then merge (a plain model again)."""
         with torch.no_grad():
             for name, layer in lora_adapters(model):
                 a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-                if len(a) == 2 * r:  # [ΔA; A₀] and [B', ΔB]
-                    a, b = a[:r] + a[r:], b[:, :r]
+                if name in self.factors:  # [ΔA; A₀; F_A] and [B', ΔB, F_Bᵀ]
+                    r = len(self.factors[name][0])
+                    a, b = (a[2 * r:], b[:, 2 * r:]) if self.config.new_rank else (a[:r] + a[r:2 * r], b[:, :r])
                 self.factors[name] = (a.float().cpu().clone(), b.float().cpu().clone())
-        self.retain, self.updates = [], []
+        self.retain, self.updates, self.fresh = [], [], []
         return super().end_task(model, out, report)
 
     def state_dict(self) -> Dict:
