@@ -74,8 +74,8 @@ def one_run(args, row, seed, extra) -> Dict:
 def summarize(row, reports) -> Dict:
     """Mean over the seeds of every metric, with each seed's value."""
     per_seed = [{"seed": seed, **{m: r["metrics"][m] for m in ("AA", "BWT", "FWT")},
-                 "general_forgetting": r["general_forgetting"], "plasticity_per_task": plasticity(r["matrix"]),
-                 "plasticity": statistics.mean(plasticity(r["matrix"])), "matrix": r["matrix"],
+                 "general_forgetting": r["general_forgetting"], "plasticity_per_task": (p := plasticity(r["matrix"])),
+                 "plasticity": statistics.mean(p), "matrix": r["matrix"],
                  "subspace_overlap": [t.get("lora_subspace_overlap") for t in r["per_task"]],
                  "general_loss": r["general_loss"], "wall_seconds": r["wall_seconds"]}
                 for seed, r in reports]
@@ -89,7 +89,6 @@ def summarize(row, reports) -> Dict:
         values = [v for v in values if v is not None]
         return (max(values) - min(values)) / 2 if len(values) > 1 else None
 
-    final = [mean([s["matrix"][-1][i] for s in per_seed]) for i in range(len(first["tasks"]))]
     matrix = [[mean([s["matrix"][t][i] for s in per_seed]) for i in range(len(first["tasks"]))]
               for t in range(len(first["matrix"]))]
     return {"label": row["label"], "method": row["method"], "options": row["options"],
@@ -98,7 +97,7 @@ def summarize(row, reports) -> Dict:
             "plasticity_per_task": plasticity(matrix), "matrix": matrix,
             "subspace_overlap": [mean([s["subspace_overlap"][i] for s in per_seed])
                                  for i in range(len(first["tasks"]))],
-            "final_scores": final, "final_general_loss": mean([s["general_loss"][-1] for s in per_seed]),
+            "final_scores": matrix[-1], "final_general_loss": mean([s["general_loss"][-1] for s in per_seed]),
             "trainable_parameters": first["trainable_parameters"],
             "wall_seconds": mean([s["wall_seconds"] for s in per_seed]), "seeds": per_seed, "tasks": first["tasks"]}
 
