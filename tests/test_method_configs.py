@@ -73,7 +73,7 @@ FLAT = {
     "diagnosis_task": "context", "lora_rank": 3, "replay_fraction": 0.5, "replay_base": "lora", "o_lora_lambda": 0.25,
     "o_lora_penalty": "l1",
     "deal_rank": 5, "deal_filter": "haar", "deal_filter_on": "b", "deal_scales": 2, "deal_lambda1": 0.5,
-    "deal_a": 4.0, "deal_lambda2": 0.2, "deal_b": 3.0,
+    "deal_a": 4.0, "deal_lambda2": 0.2, "deal_b": 3.0, "deal_new_rank": 3,
     "eoupct_student": "full", "eoupct_rank": 6, "eoupct_lora_alpha": 32.0, "eoupct_target_modules": "gate_proj",
     "eoupct_teacher": "task_start", "eoupct_proxy": "embeds", "eoupct_proxy_len": 8,
     "eoupct_gen_steps": 2, "eoupct_tau": 0.5, "eoupct_alpha": 0.1, "eoupct_lambda": 0.3, "eoupct_proxy_every": 2,

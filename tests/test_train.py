@@ -239,6 +239,7 @@ OPTIONS = {
     "deal_a": Opt(12.0, 1.0, "deal_a >= deal_b >= 1 is needed", DEAL),
     "deal_lambda2": Opt(0.1, -1.0, "deal_lambda2 must be a finite number >= 0", DEAL),
     "deal_b": Opt(3.0, 0.5, "deal_a >= deal_b >= 1 is needed", DEAL),
+    "deal_new_rank": Opt(4, -1, "deal_new_rank must be >= 0", DEAL),
     "eoupct_student": Opt("full", "bogus", "eoupct_student must be one of", EOUPCT),
     "eoupct_rank": Opt(8, 0, "eoupct_rank must be >= 1", EOUPCT),
     "eoupct_lora_alpha": Opt(32.0, -1.0, "eoupct_lora_alpha must be >= 0", EOUPCT),
