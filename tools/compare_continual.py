@@ -12,7 +12,9 @@ learned minus the base model's); the table gives each method's smallest ratio to
                                       [--set k=2 ...] [--collect]
 
 A variant is a method with some of its options changed (an ablation); it is a row of its own.
-Runs already finished in --out are reused, so seeds and variants can be added run by run.
+Finished runs are reused, so seeds and variants can be added run by run: a run directory in --out
+with its report.json, else that row and seed's record in the --results JSON written before at the
+same budget (tasks, steps, lr, held-out examples, --set options).
 """
 import argparse
 import json
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from adept_ext.continual import ContinualConfig, config_from, run
+from adept_ext.data.tasks import SEQUENCES
 from adept_ext.methods import method_names
 
 METRICS = ("AA", "BWT", "FWT", "general_forgetting", "plasticity")
@@ -54,11 +57,50 @@ def run_dir(args, row, seed, extra) -> Path:
     return Path(f"{args.out}/{row['method']}-lr{args.lr}-s{seed}-n{args.steps}-e{args.eval_blocks}{suffix}")
 
 
-def one_run(args, row, seed, extra) -> Dict:
-    """The report of `row` on `seed`: read from its run directory if finished, else run now."""
+def budget_of(args, extra) -> Dict:
+    """What makes two runs of a row and seed the same run (the results JSON's budget, less its seeds)."""
+    return {"steps_per_task": args.steps, "lr": args.lr, "eval_blocks": args.eval_blocks, **extra}
+
+
+def task_names(spec: str) -> List[str]:
+    """The task names `--tasks spec` learns, in order (a sequence's, or each source's file stem)."""
+    return list(SEQUENCES[spec]) if spec in SEQUENCES else [Path(s.strip()).stem for s in spec.split(",") if s.strip()]
+
+
+def recorded_runs(args, extra) -> Dict:
+    """{(label, seed): per-seed record} from the --results JSON when it was written at this budget
+    and task sequence, else {}."""
+    path = Path(args.results).with_suffix(".json")
+    if not path.exists():
+        return {}
+    stored = json.loads(path.read_text())
+    budget = {k: v for k, v in stored["budget"].items() if k not in ("seeds", "tasks", "batch", "model", "general")}
+    if budget != budget_of(args, extra) or stored["budget"]["tasks"] != task_names(args.tasks):
+        return {}
+    return {(row["label"], record["seed"]): {"trainable_parameters": row["trainable_parameters"],
+                                             "tasks": row["tasks"], **record}
+            for row in stored["methods"] for record in row["seeds"]}
+
+
+def seed_record(seed: int, report: Dict) -> Dict:
+    """What the tables need of one run's report.json."""
+    return {"seed": seed, **{m: report["metrics"][m] for m in ("AA", "BWT", "FWT")},
+            "general_forgetting": report["general_forgetting"],
+            "plasticity_per_task": (p := plasticity(report["matrix"])), "plasticity": statistics.mean(p),
+            "matrix": report["matrix"],
+            "subspace_overlap": [t.get("lora_subspace_overlap") for t in report["per_task"]],
+            "general_loss": report["general_loss"], "wall_seconds": report["wall_seconds"],
+            "trainable_parameters": report["trainable_parameters"], "tasks": report["tasks"]}
+
+
+def one_run(args, row, seed, extra, recorded: Dict) -> Dict:
+    """The per-seed record of `row` on `seed`: from its finished run directory, else from the results
+    JSON (`recorded`), else run now (None with --collect)."""
     out = run_dir(args, row, seed, extra)
     if (out / "report.json").exists():
-        return json.loads((out / "report.json").read_text())
+        return seed_record(seed, json.loads((out / "report.json").read_text()))
+    if (row["label"], seed) in recorded:
+        return recorded[row["label"], seed]
     if args.collect:
         return None
     defaults = ContinualConfig()
@@ -68,18 +110,12 @@ def one_run(args, row, seed, extra) -> Dict:
     for key, value in {**extra, **row["options"]}.items():
         kind = type(getattr(defaults, key))
         options[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
-    return run(config_from(options), progress=False)
+    return seed_record(seed, run(config_from(options), progress=False))
 
 
-def summarize(row, reports) -> Dict:
-    """Mean over the seeds of every metric, with each seed's value."""
-    per_seed = [{"seed": seed, **{m: r["metrics"][m] for m in ("AA", "BWT", "FWT")},
-                 "general_forgetting": r["general_forgetting"], "plasticity_per_task": (p := plasticity(r["matrix"])),
-                 "plasticity": statistics.mean(p), "matrix": r["matrix"],
-                 "subspace_overlap": [t.get("lora_subspace_overlap") for t in r["per_task"]],
-                 "general_loss": r["general_loss"], "wall_seconds": r["wall_seconds"]}
-                for seed, r in reports]
-    first = reports[0][1]
+def summarize(row, per_seed: List[Dict]) -> Dict:
+    """Mean over the seeds of every metric, with each seed's record."""
+    first = per_seed[0]
 
     def mean(values):
         values = [v for v in values if v is not None]
@@ -99,7 +135,9 @@ def summarize(row, reports) -> Dict:
                                  for i in range(len(first["tasks"]))],
             "final_scores": matrix[-1], "final_general_loss": mean([s["general_loss"][-1] for s in per_seed]),
             "trainable_parameters": first["trainable_parameters"],
-            "wall_seconds": mean([s["wall_seconds"] for s in per_seed]), "seeds": per_seed, "tasks": first["tasks"]}
+            "wall_seconds": mean([s["wall_seconds"] for s in per_seed]),
+            "seeds": [{k: v for k, v in s.items() if k not in ("trainable_parameters", "tasks")} for s in per_seed],
+            "tasks": first["tasks"]}
 
 
 def main():
@@ -120,12 +158,13 @@ def main():
     args = parser.parse_args()
     extra = parse_options(",".join(args.set))
     seeds = [int(s) for s in args.seeds.split(",")]
+    recorded = recorded_runs(args, extra)
     results = []
     for row in rows_to_run(args):
-        reports = [(seed, report) for seed in seeds if (report := one_run(args, row, seed, extra)) is not None]
-        if not reports:
+        records = [record for seed in seeds if (record := one_run(args, row, seed, extra, recorded)) is not None]
+        if not records:
             continue
-        results.append(summarize(row, reports))
+        results.append(summarize(row, records))
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("seeds", "tasks")}))
         write_results(args, extra, seeds, results)
     print(f"wrote {Path(args.results).with_suffix('.md')} and {Path(args.results).with_suffix('.json')}")
