@@ -93,6 +93,9 @@ HELP = {
                       "(the public code's entrywise L1)",
     # deal
     "deal_rank": "deal: LoRA rank",
+    "deal_variant": "deal: paper (the paper's filtered and updated factors, merged after each task) or public_code "
+                    "(the authors' code: frozen B, 2-D Haar θ on A, an MLP on the LoRA activations; not mergeable, "
+                    "the adapter is saved beside the base model)",
     "deal_filter": "deal: knowledge-retention filter: wavelet (the paper's heat-kernel network) or haar (the public "
                    "code's one-level Haar DWT)",
     "deal_filter_on": "deal: LoRA matrices that are filtered and updated: ab, a or b",

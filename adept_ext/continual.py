@@ -54,6 +54,7 @@ class ContinualConfig(TrainOptions):
     o_lora_penalty: str = "fro2"      # o_lora: its norm, fro2 (the paper's ‖A_i A_tᵀ‖²_F) or l1 (the public code's)
     # deal
     deal_rank: int = 8                # deal: LoRA rank
+    deal_variant: str = "paper"       # deal: paper (filtered factors, merged) | public_code (not mergeable)
     deal_filter: str = "wavelet"      # deal: retention filter: wavelet (heat-kernel network) | haar (public code)
     deal_filter_on: str = "ab"        # deal: matrices filtered and updated: ab | a | b
     deal_scales: int = 3              # deal: heat-kernel scales of the wavelet filter

@@ -158,3 +158,113 @@ def test_per_task_scores_each_task_with_its_own_adapter(workspace):  # noqa: F81
         ["task-1-docs", "task-2-topics"]
     adapted = PeftModel.from_pretrained(base, out / "task-1-docs" / "adapter")
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in adapted.named_parameters())
+
+
+# The public code's variant (deal_variant public_code).
+def haar2d_reference(a, theta):
+    """Ã by the textbook transform: orthonormal one-level 2-D Haar analysis of A zero-padded to even
+    sides (H A Hᵀ), θ ⊙ the approximation block, synthesis Hᵀ C H, cropped (pytorch_wavelets, mode zero)."""
+    r, d = a.shape
+    padded = torch.nn.functional.pad(a, (0, d % 2, 0, r % 2)).double()
+
+    def analysis(n):  # rows 0..n/2-1: low-pass pairs, the rest: high-pass pairs
+        h = torch.zeros(n, n, dtype=torch.float64)
+        for i in range(n // 2):
+            h[i, 2 * i] = h[i, 2 * i + 1] = 2 ** -0.5
+            h[n // 2 + i, 2 * i], h[n // 2 + i, 2 * i + 1] = 2 ** -0.5, -2 ** -0.5
+        return h
+
+    hr, hd = analysis(padded.shape[0]), analysis(padded.shape[1])
+    coefficients = hr @ padded @ hd.T
+    coefficients[:padded.shape[0] // 2, :padded.shape[1] // 2] *= theta.double()
+    return (hr.T @ coefficients @ hd)[:r, :d]
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (7, 16), (8, 15), (5, 3), (1, 1)])
+def test_the_haar_filter_is_the_2d_dwt_with_theta_on_the_approximation(shape):
+    from adept_ext.methods.deal import Haar2dFilter
+
+    torch.manual_seed(0)
+    a = torch.randn(shape)
+    haar = Haar2dFilter(shape)
+    torch.testing.assert_close(haar(a), a)  # θ = 1: the identity
+    with torch.no_grad():
+        haar.theta.uniform_(0.0, 2.0)
+    torch.testing.assert_close(haar(a).double(), haar2d_reference(a, haar.theta.detach()), atol=1e-6, rtol=0)
+
+
+def public_code_task_two():
+    method, model = after_first_task(variant="public_code")
+    return method, model, method.prepare(model, Context(general_probe=[]))
+
+
+def test_public_code_variant_trains_a_theta_and_an_mlp_with_b_frozen():
+    method, model, setup = public_code_task_two()
+    a_params = {id(layer.lora_A["default"].parametrizations.weight.original) for _, layer in lora_adapters(model)}
+    assert {id(p) for p in setup.trainable} == a_params | {id(p) for p in method.retain + method.updates}
+    assert not any(layer.lora_B["default"].weight.requires_grad for _, layer in lora_adapters(model))
+    for name, layer in lora_adapters(model):  # A and B start as the last task's; θ = 1
+        assert torch.equal(layer.lora_A["default"].weight, method.factors[name][0])
+        assert torch.equal(layer.lora_B["default"].weight, method.factors[name][1])
+    # The forward is W₀x + s·B·MLP(Ã x): the Kaiming-initialised MLP changes the model at the start.
+    name, layer = lora_adapters(model)[0]
+    x = torch.randn(3, layer.in_features)
+    a, b = method.factors[name]
+    expected = layer.base_layer(x) + layer.scaling["default"] * method.mlps[name](x @ a.T) @ b.T
+    torch.testing.assert_close(layer(x), expected)
+    method.loss(method.peft_model, padded_batches(n_batches=1)[0]).backward()
+    assert all(p.grad is not None and float(p.grad.abs().max()) > 0 for p in setup.trainable)
+
+
+def test_public_code_variant_folds_theta_keeps_b_and_applies_the_adapter_unmerged(tmp_path):
+    method, model, setup = public_code_task_two()
+    base_weights = {n: p.detach().clone() for n, p in tiny_model("llama", layers=2).state_dict().items()}
+    with torch.no_grad():
+        for p in setup.trainable:
+            p.add_(torch.randn_like(p) * 0.05)
+    batches = padded_batches()
+    adapted = logits(method.peft_model, batches)
+    filtered = {name: layer.lora_A["default"].weight.detach().clone() for name, layer in lora_adapters(model)}
+    b1 = {name: f[1].clone() for name, f in method.factors.items()}
+    returned = method.end_task(model, tmp_path, {})
+    assert not lora_adapters(returned)
+    assert all(torch.equal(p, base_weights[n]) for n, p in returned.state_dict().items())  # W₀: nothing merged
+    torch.testing.assert_close(logits(returned, batches), adapted, atol=1e-5, rtol=0)  # the hooks apply it
+    for name in filtered:
+        assert torch.equal(method.factors[name][0], filtered[name]) and torch.equal(method.factors[name][1], b1[name])
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "deal_adapter.safetensors")
+    assert torch.equal(saved[f"{name}.lora_A"], filtered[name]) and f"{name}.mlp.fc1.weight" in saved
+    # The next task discards the MLP and starts from Ã with θ = 1.
+    old = method.mlps[name]
+    method.prepare(returned, Context(general_probe=[]))
+    assert method.mlps[name] is not old
+    first, layer = lora_adapters(returned)[0]
+    assert torch.equal(layer.lora_A["default"].weight, method.factors[first][0])
+
+
+def test_public_code_penalties_are_norms():
+    method, model, _ = public_code_task_two()
+    method.config.lambda1, method.config.a, method.config.lambda2, method.config.b = 0.5, 4.0, 0.25, 2.0
+    retain, update = method.penalties(model)
+    thetas = sum(torch.linalg.vector_norm(t.flatten(), 4.0) for t in method.retain)  # θ = 1: n^(1/4) each
+    assert float(retain) == pytest.approx(0.5 * sum(t.numel() ** 0.25 for t in method.retain), rel=1e-5)
+    assert float(retain) == pytest.approx(0.5 * float(thetas), rel=1e-6)
+    mlps = sum(float(torch.cat([p.flatten() for p in m.parameters()]).norm()) for m in method.mlps.values())
+    assert float(update) == pytest.approx(0.25 * mlps, rel=1e-5)
+
+
+def test_public_code_variant_refuses_the_paper_options():
+    with pytest.raises(MethodError, match="deal_filter_on configure"):
+        DealConfig(variant="public_code", filter_on="a")
+
+
+def test_public_code_variant_runs_on_the_sequence_and_saves_the_adapter(workspace):  # noqa: F811
+    report = run(options(workspace, "deal-public", method="deal", deal_variant="public_code", deal_rank=2),
+                 progress=False, log=quiet)
+    assert report["per_task"][1]["summary"].startswith("DEAL, the public code's variant")
+    assert report["rows"][2]["general_loss"] != report["rows"][1]["general_loss"]
+    out = workspace / "deal-public"
+    assert len(list(out.glob("task-*/deal_adapter.safetensors"))) == 2
+    base, saved = (AutoModelForCausalLM.from_pretrained(p) for p in (workspace / "tiny", out / "model"))
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), saved.state_dict().values()))

@@ -81,6 +81,8 @@ FLAT = {
     "eoupct_where": "grad", "eoupct_target": "logits", "eoupct_directions": 2, "eoupct_memory": "gpm",
 }
 PARSED = {"layers": [1, 5]}
+# Options whose non-default value refuses some of FLAT's (deal_variant public_code: the paper's filter options).
+EXCLUSIVE = {"deal_variant": "public_code"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -91,6 +93,10 @@ def test_from_options_maps_every_flat_option(name):
     for f in dataclasses.fields(config_class):
         option = flat_name(config_class, f.name)
         assert option in runner_fields, f"{config_class.__name__}.{f.name}: no runner option {option!r}"
+        if option in EXCLUSIVE:
+            alone = config_class.from_options(types.SimpleNamespace(**{option: EXCLUSIVE[option]}))
+            assert getattr(alone, f.name) == EXCLUSIVE[option] != f.default, (f.name, option)
+            continue
         expected = PARSED.get(option, FLAT[option])
         assert getattr(config, f.name) == expected != f.default, (f.name, option)
 

@@ -232,6 +232,7 @@ OPTIONS = {
     "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0", ("--method", "o_lora")),
     "o_lora_penalty": Opt("l1", "l2", "o_lora_penalty must be one of fro2, l1", ("--method", "o_lora")),
     "deal_rank": Opt(4, 0, "deal_rank must be >= 1", DEAL),
+    "deal_variant": Opt("public_code", "bogus", "deal_variant must be one of paper, public_code", DEAL),
     "deal_filter": Opt("haar", "bogus", "deal_filter must be one of", DEAL),
     "deal_filter_on": Opt("a", "c", "deal_filter_on must be one of", DEAL),
     "deal_scales": Opt(2, 0, "deal_scales must be >= 1", DEAL),

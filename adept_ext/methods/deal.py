@@ -18,12 +18,21 @@ previous factors and cannot learn a new task, so from task 2 on a fresh rank-m L
 (F_A Kaiming-uniform, F_B = 0: still exact at the start) is trained beside them —
 lora_A = [ΔA; A₀; F_A], lora_B = [B', ΔB, F_Bᵀ] — and its factors are the next task's Y.
 `deal_new_rank 0` is the paper's text alone.
+
+The public code's variant (`deal_variant public_code`; docs/methods.md §4): from task 2 on, lora_B
+stays task 1's and is frozen; lora_A (trainable, starting from the previous task's filtered A) is
+filtered by a one-level 2-D Haar DWT whose approximation coefficients are scaled by θ (one per
+coefficient, init 1), and an MLP with biases (Kaiming init, discarded after the task) acts on the
+LoRA activations: h = W₀x + s·B₁·MLP_t(Ã_t x). Not function-preserving and not mergeable: the
+base weights never change, the adapter is applied by forward hooks between tasks and saved as
+`deal_adapter.safetensors` in each task's folder; θ is folded into A after each task.
 """
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -32,6 +41,8 @@ from .lora import SeqLora, SeqLoraConfig, add_lora, lora_adapters
 
 FILTERS = ("wavelet", "haar")
 FILTER_ON = ("ab", "a", "b")
+VARIANTS = ("paper", "public_code")
+ADAPTER_FILE = "deal_adapter.safetensors"  # deal_variant public_code: the task's adapter (not mergeable)
 
 
 class WaveletFilter(nn.Module):
@@ -94,6 +105,52 @@ class Update(nn.Module):
         return self.outer(torch.relu(self.inner(x.T))).T
 
 
+class Haar2dFilter(nn.Module):
+    """The public code's filter of lora_A (a parametrization of A [r, d_in]): pytorch_wavelets'
+    one-level 2-D Haar DWT (zero padding) of A, its approximation coefficients cA (2×2 block sums / 2)
+    scaled by θ (one per coefficient, init 1), the details kept, and the inverse DWT. The inverse is
+    linear and puts cA/2 on each entry of its block, so Ã = A + upsample((θ − 1) ⊙ blocksum(A) / 4)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.theta = nn.Parameter(torch.ones((shape[0] + 1) // 2, (shape[1] + 1) // 2))
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        r, d = a.shape
+        blocks = F.pad(a, (0, d % 2, 0, r % 2)).reshape(len(self.theta), 2, -1, 2).sum((1, 3))
+        change = ((self.theta - 1) * blocks / 4).repeat_interleave(2, 0).repeat_interleave(2, 1)
+        return a + change[:r, :d]
+
+
+class ActivationMLP(nn.Module):
+    """The public code's update on the LoRA activations z = Ã x: fc2(relu(fc1(z))), r → max(128, r/2)
+    → r, with biases; weights Kaiming-uniform (ReLU gain), biases 0; no residual."""
+
+    def __init__(self, r: int):
+        super().__init__()
+        self.fc1 = nn.Linear(r, max(128, r // 2))
+        self.fc2 = nn.Linear(self.fc1.out_features, r)
+        for layer in (self.fc1, self.fc2):
+            nn.init.kaiming_uniform_(layer.weight, nonlinearity="relu")
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(z)))
+
+
+def _mlp_on_output(mlp):
+    """A forward hook that replaces a module's output z by mlp(z)."""
+    return lambda module, inputs, output: mlp(output)
+
+
+def _adapter_on_output(a, b, scaling, mlp):
+    """A forward hook adding s·B·MLP(A x) (s·B·A x without an MLP) to a projection's output."""
+    def hook(module, inputs, output):
+        z = F.linear(inputs[0].to(a.dtype), a)
+        return output + scaling * F.linear(mlp(z) if mlp is not None else z, b).to(output.dtype)
+    return hook
+
+
 class Factor(nn.Module):
     """Parametrization of one PEFT factor from the frozen Y₀ (rank-major [r, n]): the filtered and
     updated residual ΔY = (X̂ − Y₀) + MLP(X̂) (when this factor is filtered, else 0) and the fresh
@@ -133,6 +190,7 @@ class DealConfig(SeqLoraConfig):
 
     method: ClassVar[str] = "deal"
     rank: int = option(8, "deal_rank")
+    variant: str = option("paper", "deal_variant")      # paper (filtered factors, merged) | public_code
     filter: str = option("wavelet", "deal_filter")      # wavelet (heat-kernel network) | haar (public code)
     filter_on: str = option("ab", "deal_filter_on")     # the factors filtered and updated: ab | a | b
     scales: int = option(3, "deal_scales")              # heat-kernel scales of the wavelet filter
@@ -144,6 +202,14 @@ class DealConfig(SeqLoraConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self.require_one_of("variant", VARIANTS)
+        if self.variant == "public_code":
+            changed = [self.option_name(n) for n, default in (("filter", "wavelet"), ("filter_on", "ab"), ("scales", 3),
+                                                              ("new_rank", 8)) if getattr(self, n) != default]
+            if changed:
+                raise MethodError(f"{', '.join(changed)} configure(s) the paper's DEAL (deal_variant paper); "
+                                  f"deal_variant public_code has its own filter (2-D Haar on A) and update (an MLP "
+                                  f"on the LoRA activations)")
         self.require_one_of("filter", FILTERS)
         self.require_one_of("filter_on", FILTER_ON)
         self.require("scales", self.scales >= 1, "must be >= 1")
@@ -169,10 +235,15 @@ class Deal(SeqLora):
         self.retain: List[nn.Parameter] = []
         self.updates: List[nn.Parameter] = []
         self.fresh: List[nn.Parameter] = []
+        self.mlps: Dict[str, ActivationMLP] = {}  # public_code: module name -> the task's MLP
+        self.hooks = []  # public_code: forward hooks of the task's MLPs, or of the adapter between tasks
 
     def prepare(self, model, ctx, layers=None) -> Setup:
+        self.remove_hooks()
         if not self.factors:  # task 1: a plain LoRA
             return super().prepare(model, ctx, layers)
+        if self.config.variant == "public_code":
+            return self.prepare_public_code(model, ctx)
         config = self.config
         filter_cls = WaveletFilter if config.filter == "wavelet" else HaarFilter
         r, m = len(next(iter(self.factors.values()))[0]), config.new_rank  # the kept factors' rank, the fresh one's
@@ -200,20 +271,54 @@ class Deal(SeqLora):
                      f"DEAL ({config.filter} filter + MLP update on {config.filter_on.upper()}) of the previous "
                      f"rank-{r} LoRA{fresh} on {len(self.factors)} projections")
 
+    def prepare_public_code(self, model, ctx) -> Setup:
+        """Task t >= 2 of the public code's variant: lora_A = Haar2dFilter(A) (A from the last task,
+        trainable), lora_B = task 1's B (frozen), a fresh ActivationMLP on lora_A's output."""
+        r = len(next(iter(self.factors.values()))[0])
+        self.peft_model = add_lora(model, r)
+        a_params, self.retain, self.updates, self.mlps = [], [], [], {}
+        for name, layer in lora_adapters(model):
+            lora_a, lora_b = layer.lora_A["default"], layer.lora_B["default"]
+            a, b = (f.to(lora_a.weight) for f in self.factors[name])
+            with torch.no_grad():
+                lora_a.weight.copy_(a)
+                lora_b.weight.copy_(b)
+            haar = Haar2dFilter(a.shape).to(a)
+            parametrize.register_parametrization(lora_a, "weight", haar)
+            self.mlps[name] = ActivationMLP(r).to(a)
+            self.hooks.append(lora_a.register_forward_hook(_mlp_on_output(self.mlps[name])))
+            a_params.append(lora_a.parametrizations.weight.original)
+            self.retain.append(haar.theta)
+            self.updates += list(self.mlps[name].parameters())
+        trainable = train_only(model, a_params + self.retain + self.updates)
+        return Setup(trainable, self.groups(trainable, ctx), [],
+                     f"DEAL, the public code's variant (2-D Haar θ on A, MLP on the activations, B frozen) of the "
+                     f"rank-{r} LoRA on {len(self.factors)} projections")
+
     def loss(self, model, batch, loss_implementation: str = "auto") -> torch.Tensor:
         with parametrize.cached():  # each adapted factor computed once per forward
             return super().loss(model, batch, loss_implementation)
 
     def penalties(self, model) -> List[torch.Tensor]:
-        """λ1·‖θ_retain‖_a^a and λ2·‖θ_update‖_b^b (docs/methods.md §4)."""
+        """λ1·‖θ_retain‖_a^a and λ2·‖θ_update‖_b^b (docs/methods.md §4); in the public code's variant
+        the norms themselves, λ1·‖θ‖_a + λ2·‖MLP‖_b, summed over the projections."""
         c = self.config
+        if c.variant == "public_code":
+            mlps = [torch.cat([p.flatten() for p in mlp.parameters()]) for mlp in self.mlps.values()]
+            return [lam * sum(torch.linalg.vector_norm(t.flatten(), power) for t in tensors)
+                    for tensors, lam, power in ((self.retain, c.lambda1, c.a), (mlps, c.lambda2, c.b))
+                    if tensors and lam]
         return [lam * sum(p.abs().pow(power).sum() for p in params)
                 for params, lam, power in ((self.retain, c.lambda1, c.a), (self.updates, c.lambda2, c.b))
                 if params and lam]
 
     def end_task(self, model, out, report: Dict):
         """Keep the factors that learned this task as the next task's Y — the fresh term's (F_A, F_B)
-        when there is one, else the adapted (A', B') — then merge (a plain model again)."""
+        when there is one, else the adapted (A', B') — then merge (a plain model again). The public
+        code's variant keeps (Ã, B) instead and returns the unmerged base model with the adapter
+        applied by forward hooks (see `end_task_public_code`)."""
+        if self.config.variant == "public_code":
+            return self.end_task_public_code(model, out, report)
         with torch.no_grad():
             for name, layer in lora_adapters(model):
                 a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
@@ -223,6 +328,43 @@ class Deal(SeqLora):
                 self.factors[name] = (a.float().cpu().clone(), b.float().cpu().clone())
         self.retain, self.updates, self.fresh = [], [], []
         return super().end_task(model, out, report)
+
+    def end_task_public_code(self, model, out, report: Dict):
+        """Fold θ into A (Ã is the next task's A), unload the LoRA without merging, and hook
+        h = W₀x + s·B·MLP_t(Ã x) onto the base projections (no MLP after task 1) for evaluation
+        until the next task, which discards MLP_t as the public code does. Writes the adapter
+        (A, B, the MLP's weights, the scaling) to `out/deal_adapter.safetensors`."""
+        from safetensors.torch import save_file
+
+        adapters = lora_adapters(self.peft_model.get_base_model())  # names as in the plain model
+        scaling = adapters[0][1].scaling["default"]
+        with torch.no_grad():
+            for name, layer in adapters:
+                a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # Ã: θ applied
+                self.factors[name] = (a.detach().float().cpu().clone(), b.detach().float().cpu().clone())
+        self.remove_hooks()
+        if out is not None:
+            tensors = {f"{name}.{key}": t.contiguous() for name, (a, b) in self.factors.items()
+                       for key, t in (("lora_A", a), ("lora_B", b))}
+            tensors.update({f"{name}.mlp.{k}": v.detach().float().cpu().contiguous()
+                            for name, mlp in self.mlps.items() for k, v in mlp.state_dict().items()})
+            save_file(tensors, str(out / ADAPTER_FILE), metadata={"scaling": str(scaling)})
+            report["adapter"] = f"{ADAPTER_FILE} (not mergeable: the saved model is the base model)"
+        base = self.peft_model.unload()
+        self.peft_model = None
+        modules = dict(base.named_modules())
+        for name, (a, b) in self.factors.items():
+            weight = modules[name].weight
+            mlp = self.mlps.get(name)
+            self.hooks.append(modules[name].register_forward_hook(_adapter_on_output(
+                a.to(weight.device), b.to(weight.device), scaling, mlp.requires_grad_(False) if mlp else None)))
+        self.retain, self.updates = [], []
+        return base
+
+    def remove_hooks(self):
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     def state_dict(self) -> Dict:
         return {"factors": dict(self.factors)}
