@@ -134,7 +134,9 @@ HELP = {
     "eoupct_memory": "eoupct: memory directions per task: delta (the task's parameter change) or gpm (the "
                      "strongest directions of the task's gradients)",
     "seed": "random seed (data split and order)",
-    "bf16": "bf16 autocast: auto (GPUs that support it), on, off",
+    "bf16": "bf16 autocast: auto (GPUs that support it), on (also on the CPU), off",
+    "frozen_dtype": "dtype the weights that do not train are held in during a task: auto (bfloat16 under bf16 "
+                    "autocast, except with fsdp2), bfloat16 or float32; trainable weights and AdamW stay float32",
     "device": "auto, cpu or cuda",
     "parallel": "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and "
                 "optimizer state sharded per decoder layer while training; not o_lora, deal, eoupct)",

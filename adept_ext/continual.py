@@ -32,7 +32,7 @@ from .report import plot_matrix, plot_series
 from .data.tasks import answer_scores, general_blocks, load_tasks
 from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
                        data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
-                       read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16)
+                       frozen_dtype_for, read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16)
 
 RESUME_MODEL = ".resume-model"  # the model after the last finished task, while the sequence runs
 
@@ -143,6 +143,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     started = time.time()
     main = parallel.is_main()
     bf16 = use_bf16(cfg, device)
+    frozen_dtype_for(cfg, bf16)  # refused before anything loads
     out = check_out(cfg, "continual")
     method = create(cfg.method, cfg, sequence=True)
     checkpoint = read_checkpoint(out) if cfg.resume else None

@@ -35,7 +35,7 @@ from .placement import PLACEMENTS
 from .report import plot_loss_curves
 from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
                        data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
-                       read_checkpoint, remove_stale_shards, use_bf16)
+                       frozen_dtype_for, read_checkpoint, remove_stale_shards, use_bf16)
 
 METHODS = tuple(method_names(single_domain=True))
 LAYER_METHODS = tuple(name for name in METHODS if REGISTRY[name].takes_layers)  # methods that take k / --layers
@@ -209,6 +209,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     started = time.time()
     main = parallel.is_main()
     bf16 = use_bf16(cfg, device)
+    frozen_dtype_for(cfg, bf16)  # refused before anything loads
     checkpoint = read_checkpoint(check_out(cfg, "run")) if cfg.resume else None
     method = create(cfg.method, cfg)
     torch.manual_seed(cfg.seed)

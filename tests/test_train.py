@@ -210,6 +210,7 @@ OPTIONS = {
     "lora_rank": Opt(4, 0, "lora_rank must be >= 1", ("--method", "lora")),
     "seed": Opt(7),  # every int is a seed
     "bf16": Opt("off", "maybe", "bf16 must be auto, on or off"),
+    "frozen_dtype": Opt("float32", "float16", "frozen_dtype must be one of auto, bfloat16, float32"),
     "device": Opt("cpu", "tpu", "device", TINY, runtime=True),
     "parallel": Opt("fsdp2", "bogus", "parallel must be one of"),  # fsdp2: as if under torchrun (2 processes)
     "resume": Opt(None, True, "holds no adept-ext run"),  # a good --resume needs a stopped run: test_resume_*

@@ -1,5 +1,6 @@
 """Where a run trains and in what precision, and whether it fits in memory."""
 import resource
+from typing import Dict
 
 import torch
 
@@ -18,29 +19,68 @@ def device_for(cfg) -> torch.device:
 
 
 def use_bf16(cfg, device) -> bool:
-    """Whether the run trains under bf16 autocast (`cfg.bf16`: auto = on a GPU that supports it)."""
+    """Whether the run trains under bf16 autocast (`cfg.bf16`: auto = on a GPU that supports it;
+    on = also on the CPU, whose autocast runs matrix products in bfloat16)."""
     supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    if cfg.bf16 == "on" and not supported:
+    if cfg.bf16 == "on" and device.type == "cuda" and not supported:
         raise RunError("--bf16 on needs a GPU with bfloat16 support")
     return cfg.bf16 == "on" or (cfg.bf16 == "auto" and supported)
 
 
-def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1):
-    """Refuse a run that will not fit in the available memory: the weights, the gradient and two
-    AdamW moments (fp32) of the `trainable` parameters (divided among `shards` ranks under FSDP2),
-    and one micro-batch's activations (halved under bf16 autocast). Called before anything is
-    written (trainable = 0: can the model run at all?) and again once the method has chosen what
-    trains. The fused loss holds one chunk of logits instead of the micro-batch's B×T×V. The
-    estimate is in the message."""
+def frozen_dtype_for(cfg, bf16: bool) -> torch.dtype:
+    """The dtype the weights that do not train are held in during a task (`cfg.frozen_dtype`):
+    bfloat16 (auto: when the steps run under bf16 autocast, and not under FSDP2, whose all-gather
+    wants one dtype per layer) or float32. Trainable weights, their gradients and AdamW's moments
+    stay float32 (docs/design.md, "Precision")."""
+    if cfg.frozen_dtype == "bfloat16":
+        if not bf16:
+            raise RunError("--frozen-dtype bfloat16 needs bf16 autocast (--bf16 on, or auto on a GPU with bfloat16): "
+                           "a float32 activation cannot multiply a bfloat16 weight outside autocast")
+        return torch.bfloat16
+    return torch.bfloat16 if cfg.frozen_dtype == "auto" and bf16 and cfg.parallel != "fsdp2" else torch.float32
+
+
+def cast_frozen(model, dtype: torch.dtype) -> int:
+    """Hold every floating-point parameter of `model` that does not require grad in `dtype` (the
+    Parameter objects stay, their data is replaced); returns how many were cast."""
+    cast = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            cast += 1
+    return cast
+
+
+def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1,
+                    device=None) -> Dict[str, int]:
+    """Bytes a training step needs: the weights as held (frozen ones may be bfloat16: `cast_frozen`),
+    the gradient and two AdamW moments (fp32) of the `trainable` parameters (divided among `shards`
+    ranks under FSDP2), and one micro-batch's activations (halved under bf16 autocast; with
+    --gradient-checkpointing each layer's input and one layer's activations). The fused
+    loss holds one chunk of logits instead of the micro-batch's B×T×V (its size on `device`,
+    default the run's)."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = trainable * 4 * 3 // shards
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
     logits = 0 if fused else 8 * c.vocab_size
-    per_token = 4 * c.num_hidden_layers * (16 * c.hidden_size + 4 * c.intermediate_size) + logits
+    layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)  # one decoder layer's saved activations
+    if cfg.gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
+        per_token = 4 * c.num_hidden_layers * c.hidden_size + layer + logits
+    else:
+        per_token = c.num_hidden_layers * layer + logits
     activations = cfg.batch_size * cfg.block_len * per_token // (2 if bf16 else 1)
     if fused:
-        activations += 8 * c.vocab_size * default_chunk_rows(c.vocab_size, device_for(cfg), torch.float32)
+        activations += 8 * c.vocab_size * default_chunk_rows(c.vocab_size, device or device_for(cfg), torch.float32)
+    return {"weights": weights, "optimizer": optimizer, "activations": activations}
+
+
+def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1):
+    """Refuse a run that will not fit in the available memory (`memory_estimate`). Called before
+    anything is written (trainable = 0: can the model run at all?) and again once the method has
+    chosen what trains and the frozen weights are held in their dtype. The estimate is in the message."""
+    estimate = memory_estimate(cfg, model, bf16, trainable, shards)
+    weights, optimizer, activations = estimate["weights"], estimate["optimizer"], estimate["activations"]
     need = weights + optimizer + activations
     if device_for(cfg).type == "cuda":
         available = torch.cuda.mem_get_info()[0] + weights  # the weights are already on the device

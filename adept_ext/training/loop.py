@@ -15,14 +15,16 @@ from ..models import adapter
 from ..methods.task import Task, prepare
 from ..optim import GroupedAdamW
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
-from .device import check_memory, peak_memory_mb
+from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb
 from .rundir import CHECKPOINT, atomic_write
 
 
 @torch.no_grad()
 def evaluate(model, batches, device, desc="eval", progress=True, loss_implementation: str = "auto") -> float:
     """Token-weighted mean next-token loss on `batches` (`lm_loss.next_token_loss`: fused on a
-    plain linear head unless `loss_implementation` is "hf")."""
+    plain linear head unless `loss_implementation` is "hf"); under bf16 autocast while the model
+    holds bfloat16 weights (`--frozen-dtype`: an evaluation in the middle of a task)."""
+    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -30,7 +32,8 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             batch = {k: v.to(device) for k, v in batch.items()}
             n = int((batch["labels"][:, 1:] != -100).sum())
-            total += float(next_token_loss(model, batch, loss_implementation)) * n
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                total += float(next_token_loss(model, batch, loss_implementation)) * n
             count += n
     finally:
         model.train(was_training)
@@ -168,6 +171,9 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
                    layers=checkpoint["layers"] if checkpoint else None,
                    loss_implementation=cfg.loss_implementation, progress=progress, log=log)
     n_trainable = sum(p.numel() for p in task.trainable)
+    frozen = frozen_dtype_for(cfg, bf16)
+    if cast_frozen(model, frozen) and frozen != torch.float32:
+        log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
     check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
     hooks.prepared(task, n_trainable)
     if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
@@ -215,6 +221,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         raise
     if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
         compile_layers(model, False)
+    cast_frozen(model, torch.float32)  # evaluation, finish (merges, saving) and the next task in float32 again
     hooks.trained(step)
     if cfg.gradient_checkpointing:
         activation_checkpointing(model, False)

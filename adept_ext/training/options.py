@@ -15,6 +15,8 @@ from ..methods import create
 from ..models import check_attention
 from .tracking import backends_of
 
+FROZEN_DTYPES = ("auto", "bfloat16", "float32")
+
 
 @dataclass
 class TrainOptions:
@@ -45,6 +47,7 @@ class TrainOptions:
     lora_rank: int = 8
     seed: int = 0
     bf16: str = "auto"                # auto (GPU with bf16 support) | on | off
+    frozen_dtype: str = "auto"        # weights that don't train: auto (bf16 under bf16 autocast) | bfloat16 | float32
     device: str = "auto"              # auto | cpu | cuda
     parallel: str = "ddp"             # under torchrun: ddp | fsdp2 (parameters and optimizer state sharded)
     resume: bool = False              # continue the run in `out` from its last checkpoint
@@ -84,6 +87,11 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError(f"device must be auto, cpu or cuda, got {cfg.device!r}")
     if cfg.bf16 not in ("auto", "on", "off"):
         raise RunError(f"bf16 must be auto, on or off, got {cfg.bf16!r}")
+    if cfg.frozen_dtype not in FROZEN_DTYPES:
+        raise RunError(f"frozen_dtype must be one of {', '.join(FROZEN_DTYPES)}, got {cfg.frozen_dtype!r}")
+    if cfg.frozen_dtype == "bfloat16" and cfg.parallel == "fsdp2":
+        raise RunError("--frozen-dtype bfloat16 with --parallel fsdp2 is not supported (FSDP2 all-gathers each layer's "
+                       "parameters in one dtype); use --frozen-dtype auto or float32 with fsdp2")
     if cfg.parallel not in parallel.ENGINES:
         raise RunError(f"parallel must be one of {', '.join(parallel.ENGINES)}, got {cfg.parallel!r}")
     if cfg.parallel == "fsdp2" and parallel.launched_world() < 2:

@@ -1,0 +1,124 @@
+"""--frozen-dtype: the weights that do not train held in bfloat16 during a task (trainable ones,
+their gradients and AdamW's moments in float32), float32 again for evaluation, merging and saving;
+the memory estimate counts what is held; refused where it cannot run."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import adept_ext.training.loop as loop
+from adept_ext.cli import main
+from adept_ext.errors import RunError
+from adept_ext.training.device import cast_frozen, memory_estimate
+from test_continual import options as continual_options
+from test_continual import quiet
+from test_continual import workspace as continual_workspace  # noqa: F401 (module-scoped fixture)
+from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
+from adept_ext.continual import run as run_continual
+from adept_ext.train import run
+
+
+@pytest.fixture
+def held_dtypes(monkeypatch):
+    """The dtypes of the trainable and the frozen parameters while the steps of each task run."""
+    seen = []
+    original = loop.train_steps
+
+    def record(model, task, *args, **kwargs):
+        params = list(getattr(model, "module", model).parameters())
+        seen.append({"trainable": {p.dtype for p in params if p.requires_grad},
+                     "frozen": {p.dtype for p in params if not p.requires_grad}})
+        return original(model, task, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_steps", record)
+    return seen
+
+
+def test_cast_frozen_casts_only_what_does_not_train(workspace):  # noqa: F811
+    model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    for name, p in model.named_parameters():
+        p.requires_grad_("layers.1." in name)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    cfg = options(workspace, "estimate")
+    before = memory_estimate(cfg, model)["weights"]
+    assert cast_frozen(model, torch.bfloat16) == sum(1 for p in model.parameters() if not p.requires_grad)
+    assert all(p.dtype == (torch.float32 if n in trainable else torch.bfloat16) for n, p in model.named_parameters())
+    frozen_numel = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert memory_estimate(cfg, model)["weights"] == before - 2 * frozen_numel  # counted as held
+    assert cast_frozen(model, torch.float32) > 0 and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_estimate_with_checkpointing_keeps_each_layer_s_input_and_one_layer(workspace):  # noqa: F811
+    model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    c = model.config
+    plain, checkpointed = (memory_estimate(options(workspace, "e", gradient_checkpointing=g), model)["activations"]
+                           for g in (False, True))
+    layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)
+    tokens = 2 * 32  # batch_size x block_len of the workspace's options
+    assert plain - checkpointed == tokens * (c.num_hidden_layers * layer - 4 * c.num_hidden_layers * c.hidden_size
+                                             - layer)
+
+
+def test_the_8b_estimate_tool_runs_on_the_meta_device():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "tools/memory_estimate.py", "--block-len", "1024"], capture_output=True,
+                         text=True, check=True, cwd=__file__.rsplit("/tests/", 1)[0]).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    adept = {(r["frozen_dtype"], r["gradient_checkpointing"]): r for r in rows if r["method"] == "adept"}
+    assert adept["bfloat16", False]["weights"] < adept["float32", False]["weights"] * 0.6
+    assert adept["bfloat16", True]["activations"] < adept["bfloat16", False]["activations"]
+
+
+@pytest.mark.parametrize("method", ["adept", "lora"])
+def test_frozen_weights_train_in_bfloat16_and_come_back_in_float32(workspace, method, held_dtypes):  # noqa: F811
+    base = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    reports = {}
+    for frozen in ("bfloat16", "float32"):
+        reports[frozen] = run(options(workspace, f"frozen-{method}-{frozen}", method=method, bf16="on",
+                                      frozen_dtype=frozen), progress=False, log=quiet)
+    assert held_dtypes[0] == {"trainable": {torch.float32}, "frozen": {torch.bfloat16}}
+    assert held_dtypes[1] == {"trainable": {torch.float32}, "frozen": {torch.float32}}
+    # The same autocast, so the losses differ only by the frozen weights' rounding (eval_every=2: an
+    # evaluation in the middle of the task ran with bfloat16 weights).
+    for a, b in zip(reports["bfloat16"]["history"]["train"], reports["float32"]["history"]["train"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
+    mid = [e for e in reports["bfloat16"]["history"]["eval"] if 0 < e["step"] < 4]
+    assert mid and all(e["general_loss"] == e["general_loss"] for e in mid)  # ran, not NaN
+    saved = AutoModelForCausalLM.from_pretrained(workspace / f"frozen-{method}-bfloat16" / "model")
+    assert all(p.dtype == torch.float32 for p in saved.parameters())
+    embed = base.get_input_embeddings().weight  # frozen in both methods: its bfloat16 rounding is what is saved
+    assert torch.equal(saved.get_input_embeddings().weight, embed.to(torch.bfloat16).float())
+
+
+def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_workspace, held_dtypes):  # noqa: F811
+    report = run_continual(continual_options(continual_workspace, "frozen-seq", method="seq_lora", bf16="on",
+                                             frozen_dtype="bfloat16"), progress=False, log=quiet)
+    assert len(held_dtypes) == len(report["tasks"]) >= 2
+    assert all(d == {"trainable": {torch.float32}, "frozen": {torch.bfloat16}} for d in held_dtypes)
+    assert all(score == score for row in report["matrix"] for score in row)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--frozen-dtype", "bfloat16", "--bf16", "off"], "--frozen-dtype bfloat16 needs bf16 autocast"),
+    (["--frozen-dtype", "float16"], "frozen_dtype must be one of auto, bfloat16, float32"),
+    (["--frozen-dtype", "bfloat16", "--parallel", "fsdp2"], "--frozen-dtype bfloat16 with --parallel fsdp2"),
+])
+def test_refused_before_anything_is_written(workspace, tmp_path, capsys, argv, message):  # noqa: F811
+    out = tmp_path / "o"
+    args = ["run", "--out", str(out), "--model", str(workspace / "tiny"), "--general", str(workspace / "general"),
+            "--domain", str(workspace / "domain.jsonl"), "--no-progress", *argv]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_auto_is_float32_without_bf16_autocast(workspace, held_dtypes):  # noqa: F811
+    report = run(options(workspace, "frozen-auto", method="lora"), progress=False, log=quiet)
+    assert held_dtypes[0]["frozen"] == {torch.float32}
+    assert json.loads((workspace / "frozen-auto" / "report.json").read_text())["config"]["frozen_dtype"] == "auto"
+    assert report["config"]["bf16"] == "auto"
+    with pytest.raises(RunError, match="needs bf16 autocast"):
+        run(options(workspace, "frozen-off", method="lora", frozen_dtype="bfloat16", bf16="off"), progress=False)
