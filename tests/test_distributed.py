@@ -207,10 +207,13 @@ def run_workspace(tmp_path_factory):
 
 
 SCALE_OPTIONS = {"gradient_checkpointing": True, "mix_general": 0.25}  # issue 26's switches, under the engines
+# Frozen weights in bfloat16 under (CPU) bf16 autocast; both sides on HF's loss, so the ops match.
+FROZEN_BF16 = {"bf16": "on", "frozen_dtype": "bfloat16", "loss_implementation": "hf"}
 
 
-@pytest.mark.parametrize("method,extra", [("full", {}), ("adept", {}), ("lora", {}), ("lora", SCALE_OPTIONS)],
-                         ids=["full", "adept", "lora", "lora-checkpointing-mix"])
+@pytest.mark.parametrize("method,extra", [("full", {}), ("adept", {}), ("lora", {}), ("lora", SCALE_OPTIONS),
+                                          ("adept", FROZEN_BF16)],
+                         ids=["full", "adept", "lora", "lora-checkpointing-mix", "adept-frozen-bf16"])
 def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, extra):
     """2 gloo ranks x grad_accum 1 take the micro-batches one process takes with grad_accum 2: the
     losses agree to float rounding, rank 0 alone writes, and the model loads with plain transformers.

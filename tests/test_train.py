@@ -59,13 +59,18 @@ def test_adept_keeps_original_weights_frozen(workspace):
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-@pytest.mark.parametrize("method,streaming", [("adept", False), ("adept_uniform_lr", False), ("full", False),
-                                              ("full", True)])
-def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, method, streaming):
-    """Also with --streaming: the resumed run reads the stream from the start up to its step."""
-    run_name = method + ("-streaming" if streaming else "")
+FROZEN_BF16 = {"bf16": "on", "frozen_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("method,streaming,extra", [("adept", False, {}), ("adept_uniform_lr", False, {}),
+                                                    ("full", False, {}), ("full", True, {}),
+                                                    ("adept", False, FROZEN_BF16)])
+def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, method, streaming, extra):
+    """Also with --streaming (the resumed run reads the stream from the start up to its step) and
+    with the frozen weights in bfloat16 (they are cast again when the task is prepared anew)."""
+    run_name = method + ("-streaming" if streaming else "") + ("-frozen-bf16" if extra else "")
     full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, method=method,
-                       streaming=streaming),
+                       streaming=streaming, **extra),
                progress=False, log=lambda *a: None)
     import adept_ext.train as train_module
 
@@ -80,12 +85,13 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
 
     monkeypatch.setattr(train_module, "evaluate", interrupting)
     with pytest.raises(KeyboardInterrupt):
-        run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming),
+        run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming,
+                    **extra),
             progress=False, log=lambda *a: None)
     assert (workspace / f"killed-{run_name}" / "checkpoint.pt").exists()
     monkeypatch.setattr(train_module, "evaluate", real_evaluate)
     resumed = run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming,
-                          resume=True), progress=False, log=lambda *a: None)
+                          resume=True, **extra), progress=False, log=lambda *a: None)
     assert resumed["final"]["domain_loss"] == pytest.approx(full["final"]["domain_loss"], rel=1e-5)
     assert resumed["final"]["general_loss"] == pytest.approx(full["final"]["general_loss"], rel=1e-5)
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(
