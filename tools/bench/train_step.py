@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from adept_ext.training.device import cast_frozen
 from bench.common import measure_peak_mb, random_batches, random_model, row
 
 # size: (model shape, batch, sequence length, measured steps). small is the CPU goal's size.
@@ -120,6 +121,9 @@ def measure(config, size, device_name, setup_only=False, state=None):
         task = type("PeftTask", (), {"model": add_lora(model, 8)})()  # PEFT's own wrapper, as a Trainer user has
     else:
         task = prepared_task(method, model, device, total)
+    if bf16 and loop.startswith("adept_ext"):  # the runner's --frozen-dtype auto under bf16 autocast
+        cast_frozen(task.model, torch.bfloat16)
+    weights_mb = sum(p.numel() * p.element_size() for p in task.model.parameters()) / 2**20
     if loop.startswith("trainer"):
         run = functools.partial(trainer_steps, task, method, batch, device, bf16, total, checkpointing,
                                 loop == "trainer_liger")
@@ -127,7 +131,7 @@ def measure(config, size, device_name, setup_only=False, state=None):
         run = functools.partial(our_steps, task, batch, device, bf16, total,
                                 "hf" if loop == "adept_ext_hf_loss" else "auto", checkpointing)
     times, peak = measure_peak_mb(run, device)
-    return times[WARMUP_STEPS:], peak
+    return times[WARMUP_STEPS:], peak, weights_mb
 
 
 def _child(queue, config, size, device_name):
@@ -154,21 +158,25 @@ def run(args, device):
     shape, batch_size, seq, steps = SIZES[size]
     tokens = batch_size * seq
     results = {"model": shape, "batch": batch_size, "seq": seq, "measured_steps": steps,
-               "dtype": "float32" if device.type == "cpu" else "float32 weights, bf16 autocast",
+               "dtype": "float32" if device.type == "cpu" else "bf16 autocast; weights float32 (Trainer) or frozen "
+                                                                "ones bfloat16 (adept_ext, --frozen-dtype auto)",
+               "peak_memory_mb": "peak above the weights held at the start (weights_mb)",
                "liger_installed": liger_installed(), "methods": {}}
     print(f"\none optimizer step, {shape}, {batch_size} x {seq} tokens, device {device} "
           f"({torch.get_num_threads()} threads); each configuration in a fresh process")
     for method, loop, checkpointing in configurations(results["liger_installed"], size):
         name, providers = label(loop, checkpointing), results["methods"].setdefault(method, {})
         try:
-            times, peak = in_fresh_process((method, loop, checkpointing), size, str(device))
+            times, peak, weights_mb = in_fresh_process((method, loop, checkpointing), size, str(device))
         except RuntimeError as e:  # one configuration that does not fit is a result, not the end of the run
             providers[name] = {"error": str(e)}
             print(f"{method:6} {name:28} failed: {e}", flush=True)
             continue
         step_s = statistics.median(times)
-        print(f"{method:6} {name:28} {tokens / step_s:9.1f} tokens/s, peak {peak:8.0f} MB", flush=True)
-        providers[name] = {"step_s": step_s, "tokens_per_s": tokens / step_s, "peak_memory_mb": peak}
+        print(f"{method:6} {name:28} {tokens / step_s:9.1f} tokens/s, peak {peak:8.0f} MB "
+              f"(+ weights {weights_mb:.0f} MB)", flush=True)
+        providers[name] = {"step_s": step_s, "tokens_per_s": tokens / step_s, "peak_memory_mb": peak,
+                           "weights_mb": weights_mb}
     for method, providers in results["methods"].items():
         base = providers["trainer"]
         for name, r in providers.items():
@@ -176,8 +184,11 @@ def run(args, device):
                 continue
             r["tokens_per_s_vs_trainer"] = r["tokens_per_s"] / base["tokens_per_s"]
             r["peak_memory_vs_trainer"] = r["peak_memory_mb"] / base["peak_memory_mb"]
+            r["with_weights_vs_trainer"] = ((r["peak_memory_mb"] + r["weights_mb"])
+                                            / (base["peak_memory_mb"] + base["weights_mb"]))
             print(f"{method:6} {name:28} {r['tokens_per_s']:9.1f} tokens/s ({r['tokens_per_s_vs_trainer']:5.2f}x) "
-                  f"peak {r['peak_memory_mb']:8.0f} MB ({r['peak_memory_vs_trainer']:5.2f}x)")
+                  f"peak {r['peak_memory_mb']:8.0f} MB ({r['peak_memory_vs_trainer']:5.2f}x; with the weights "
+                  f"{r['with_weights_vs_trainer']:5.2f}x)")
     return results
 
 
@@ -186,4 +197,5 @@ def rows(results):
     return [row(name, metric, r[metric], unit, dtype=results["dtype"], shape=f"{method}: {shape}")
             for method, providers in results["methods"].items() for name, r in providers.items()
             for metric, unit in (("tokens_per_s", "tokens/s"), ("peak_memory_mb", "MB"),
-                                 ("tokens_per_s_vs_trainer", "x"), ("peak_memory_vs_trainer", "x")) if metric in r]
+                                 ("tokens_per_s_vs_trainer", "x"), ("peak_memory_vs_trainer", "x"),
+                                 ("with_weights_vs_trainer", "x")) if metric in r]
