@@ -122,3 +122,12 @@ def test_auto_is_float32_without_bf16_autocast(workspace, held_dtypes):  # noqa:
     assert report["config"]["bf16"] == "auto"
     with pytest.raises(RunError, match="needs bf16 autocast"):
         run(options(workspace, "frozen-off", method="lora", frozen_dtype="bfloat16", bf16="off"), progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (tools/gpu_check.sh runs it)")
+def test_auto_holds_frozen_weights_in_bfloat16_on_a_cuda_gpu(workspace, held_dtypes):  # noqa: F811
+    report = run(options(workspace, "frozen-cuda", method="adept", device="cuda"), progress=False, log=quiet)
+    assert held_dtypes[0] == {"trainable": {torch.float32}, "frozen": {torch.bfloat16}}
+    assert all(h["loss"] == h["loss"] for h in report["history"]["train"])
+    saved = AutoModelForCausalLM.from_pretrained(workspace / "frozen-cuda" / "model")
+    assert all(p.dtype == torch.float32 for p in saved.parameters())
