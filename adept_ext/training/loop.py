@@ -32,7 +32,7 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             batch = {k: v.to(device) for k, v in batch.items()}
             n = int((batch["labels"][:, 1:] != -100).sum())
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
                 total += float(next_token_loss(model, batch, loss_implementation)) * n
             count += n
     finally:
@@ -120,7 +120,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
             for micro in range(cfg.grad_accum):
                 batch = batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)]
                 batch = {k: v.to(device) for k, v in batch.items()}
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
                     loss = task.loss(batch, model) / cfg.grad_accum
                 loss.backward()
                 loss_sum += float(loss.detach())
