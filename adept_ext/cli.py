@@ -109,10 +109,11 @@ HELP = {
     # eoupct
     "eoupct_student": "eoupct: student: lora (one rank-r adapter kept across tasks) or full (every parameter)",
     "eoupct_rank": "eoupct: LoRA rank of the student",
-    "eoupct_lora_alpha": "eoupct: LoRA alpha of the student, scaling alpha / rank (0: 2 x rank, scaling 2; the "
-                         "public code: rank 4, alpha 32)",
-    "eoupct_target_modules": "eoupct: the student's projections, comma-separated (the public code: gate_proj), or "
-                             "all (every attention and MLP projection of the family)",
+    "eoupct_lora_alpha": "eoupct: LoRA alpha of the student, scaling alpha / rank (the public code's 32: scaling 8 "
+                         "at rank 4; 0: 2 x rank, scaling 2)",
+    "eoupct_target_modules": "eoupct: the student's projections: gate (the MLP gate projections, as the public "
+                             "code's gate_proj; every projection where the experts are fused), all (every attention "
+                             "and MLP projection of the family) or comma-separated names",
     "eoupct_teacher": "eoupct: the teacher: base (the model before the first task, as the paper and the public code), "
                       "task_start (the model at the start of the current task) or auto (base; task_start for the "
                       "full student)",

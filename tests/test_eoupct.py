@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from adept_ext.continual import ContinualConfig, run
 from adept_ext.methods import Context, EoupCTConfig, MethodError, create, get_method
-from adept_ext.methods.lora import lora_adapters
+from adept_ext.methods.eoupct import student_targets
+from adept_ext.methods.lora import lora_adapters, target_modules
 from test_continual import options, quiet, workspace  # noqa: F401  (the module-scoped workspace fixture)
 from tiny_models import padded_batches, tiny_model
 
@@ -306,16 +307,34 @@ def test_the_teacher_is_the_model_before_the_first_task_or_at_the_task_start(tea
     torch.testing.assert_close(got, want[:, -1:], rtol=1e-5, atol=1e-5)  # the proxy keeps the last logits
 
 
+def adapted(model):
+    return {name.rsplit(".", 1)[-1] for name, _ in lora_adapters(model)}
+
+
 def test_the_students_scaling_and_projections():
     """eoupct_lora_alpha sets PEFT's scaling alpha / rank (0: 2 x rank) and eoupct_target_modules
-    the adapted projections (the public code's gate_proj alone); an absent projection is refused."""
-    model, method, _ = make(lora_alpha=32.0, target_modules="gate_proj")
-    layers = [layer for _, layer in lora_adapters(model)]
-    assert {name.rsplit(".", 1)[-1] for name, _ in lora_adapters(model)} == {"gate_proj"}
-    assert all(layer.scaling["default"] == 32.0 / 4 for layer in layers)
+    the adapted projections: by default the public code's student (alpha 32 at rank 4, the MLP gate
+    projections); all: every projection; names; an absent projection is refused."""
     model, method, _ = make()
+    assert adapted(model) == {"gate_proj"}
+    assert all(layer.scaling["default"] == 32.0 / 4 for _, layer in lora_adapters(model))
+    model, method, _ = make(lora_alpha=0.0, target_modules="all")
+    assert adapted(model) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert all(layer.scaling["default"] == 2.0 for _, layer in lora_adapters(model))
+    model, method, _ = make(target_modules="up_proj,down_proj")
+    assert adapted(model) == {"up_proj", "down_proj"}
     with pytest.raises(MethodError, match="the model has no qkv_proj projections"):
         make(target_modules="qkv_proj,gate_proj")
     with pytest.raises(MethodError, match="eoupct_teacher base needs the lora student"):
         EoupCTConfig(student="full", teacher="base")
+
+
+@pytest.mark.parametrize("arch, gate", [("llama", ["gate_proj"]), ("phi3", ["gate_up_proj"]),
+                                        ("mixtral", None), ("olmoe", None)])
+def test_the_default_student_takes_the_mlp_gate_projections(arch, gate):
+    """eoupct_target_modules gate: the family's MLP gate projection (Phi-3's fused gate_up_proj);
+    where the experts are fused tensors (no gate projection as a linear layer) every projection
+    of the family, as `all`."""
+    model = tiny_model(arch)
+    assert student_targets(model, "gate") == (gate or target_modules(model))
+    assert student_targets(model, "all") == target_modules(model)

@@ -74,7 +74,7 @@ FLAT = {
     "o_lora_penalty": "l1",
     "deal_rank": 5, "deal_filter": "haar", "deal_filter_on": "b", "deal_scales": 2, "deal_lambda1": 0.5,
     "deal_a": 4.0, "deal_lambda2": 0.2, "deal_b": 3.0, "deal_new_rank": 3,
-    "eoupct_student": "full", "eoupct_rank": 6, "eoupct_lora_alpha": 32.0, "eoupct_target_modules": "gate_proj",
+    "eoupct_student": "full", "eoupct_rank": 6, "eoupct_lora_alpha": 16.0, "eoupct_target_modules": "up_proj",
     "eoupct_teacher": "task_start", "eoupct_proxy": "embeds", "eoupct_proxy_len": 8,
     "eoupct_gen_steps": 2, "eoupct_tau": 0.5, "eoupct_alpha": 0.1, "eoupct_lambda": 0.3, "eoupct_proxy_every": 2,
     "eoupct_proxy_steps": 3, "eoupct_proxy_lr": 0.01, "eoupct_no_virtual": True, "eoupct_no_conflict": True,
