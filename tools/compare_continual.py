@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Run continual-learning methods on one task sequence with one budget over one or more seeds,
-and write docs/results/continual.md and continual.json: per method (and per ablation variant) the
+and write docs/results/continual-classification.md and .json (--results): per method (and per ablation variant) the
 score matrix a[t][i] (also as a heatmap, PNG), AA, BWT, FWT, plasticity, general forgetting,
 trainable parameters and wall time, as the mean over the seeds ± half their range, with every
 seed's value beside it. Plasticity of task i = a[i][i] − a[0][i] (its score right after it was
@@ -153,7 +153,8 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                         help="any other option of adept-ext continual (names with underscores), for every method")
     parser.add_argument("--out", default="runs/continual-compare", help="run directories (one per method and seed)")
-    parser.add_argument("--results", default="docs/results/continual", help="path prefix of the .md and .json results")
+    parser.add_argument("--results", default="docs/results/continual-classification",
+                        help="path prefix of the .md and .json results")
     parser.add_argument("--collect", action="store_true", help="run nothing: tabulate the finished runs in --out")
     args = parser.parse_args()
     extra = parse_options(",".join(args.set))
