@@ -132,7 +132,10 @@ def test_train_step_rows_and_configurations():
     from bench import train_step
 
     configs = train_step.configurations(liger=False)
-    assert len(configs) == len(set(configs)) == 13 and ("full", "adept_ext_hf_loss", False) in configs
+    assert len(configs) == len(set(configs)) == 15 and ("full", "adept_ext_hf_loss", False) in configs
+    assert {("full", "adept_ext_compile", False), ("full", "adept_ext_compile", True)} <= set(configs)
+    large = train_step.configurations(liger=False, size="large")  # the GPU check's budget: full, no compilation
+    assert {m for m, _, _ in large} == {"full"} and len(large) == 5
     assert {loop for _, loop, _ in train_step.configurations(liger=True)} >= {"trainer_liger"}
     results = {"model": "smollm2-135m-shape", "batch": 4, "seq": 2048, "dtype": "float32", "methods": {
         "full": {"adept_ext": {"tokens_per_s": 90.0, "peak_memory_mb": 500.0, "tokens_per_s_vs_trainer": 0.9,

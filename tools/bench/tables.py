@@ -138,10 +138,13 @@ TABLES = {
          for label, provider in (("adept-ext (fused loss)", "adept_ext"),
                                  ("adept-ext + checkpointing", "adept_ext+checkpointing"),
                                  ("adept-ext, HF's loss", "adept_ext_hf_loss"),
+                                 ("adept-ext + `--compile`", "adept_ext_compile"),
+                                 ("adept-ext + `--compile` + checkpointing", "adept_ext_compile+checkpointing"),
                                  ("Trainer (default)", "trainer"), ("Trainer + checkpointing", "trainer+checkpointing"))
-         if provider != "adept_ext_hf_loss" or method == "full"],
+         if not provider.startswith(("adept_ext_hf_loss", "adept_ext_compile")) or method == "full"],
         [col("tokens/s", "tokens/s", metric="tokens_per_s"), col("× Trainer", "x", metric="tokens_per_s_vs_trainer"),
-         col("peak MB", "MB", metric="peak_memory_mb"), col("memory × Trainer", "x", metric="peak_memory_vs_trainer")]),
+         col("peak MB", "MB", metric="peak_memory_mb"), col("memory × Trainer", "x", metric="peak_memory_vs_trainer"),
+         col("first step s", "s", metric="first_step_s")]),
     "corpus": table(
         {**CPU_SMALL, "benchmark": "corpus"}, "corpus: load", corpus_rows("100 MB", 100) + corpus_rows("1 GB", 1024),
         [TIME_S, col("M tokens", "M", metric="tokens"), col("M tokens/s", "M tokens/s", metric="throughput"),

@@ -25,13 +25,15 @@ WARMUP_STEPS = 1
 
 
 def configurations(liger: bool, size: str = "small"):
-    """(method, loop, checkpointing) of every measured step (--size large: `full` only, to fit the
-    GPU check's budget); loop "adept_ext_hf_loss" is our loop with --loss-implementation hf (what
-    the fused loss buys)."""
+    """(method, loop, checkpointing) of every measured step (--size large: `full` only and no
+    compilation, to fit the GPU check's budget); loop "adept_ext_hf_loss" is our loop with
+    --loss-implementation hf (what the fused loss buys), "adept_ext_compile" our loop with --compile
+    (each decoder layer compiled; the compilation is in the warm-up step, `first_step_s`)."""
     loops = ["adept_ext", "trainer"] + (["trainer_liger"] if liger else [])
     methods = ("full",) if size == "large" else METHODS
     configs = [(m, loop, ckpt) for m in methods for loop in loops for ckpt in (False, True)]
-    return configs + [("full", "adept_ext_hf_loss", False)]
+    compiled = [] if size == "large" else [("full", "adept_ext_compile", False), ("full", "adept_ext_compile", True)]
+    return configs + [("full", "adept_ext_hf_loss", False)] + compiled
 
 
 def liger_installed() -> bool:
@@ -52,17 +54,19 @@ def prepared_task(method, model, device, steps):
                              progress=False)
 
 
-def our_steps(task, batch, device, bf16, steps, loss_implementation, checkpointing):
-    """`steps` steps of training.train_steps on `batch`; the wall time of each."""
+def our_steps(task, batch, device, bf16, steps, loss_implementation, checkpointing, compile_layers=False):
+    """`steps` steps of training.train_steps on `batch` (each decoder layer compiled first with
+    `compile_layers`, after checkpointing, as the runner's --compile does); the wall time of each."""
     from types import SimpleNamespace
 
     from adept_ext.training import optimizer_for
-    from adept_ext.training.loop import activation_checkpointing, train_steps
+    from adept_ext.training.loop import activation_checkpointing, compile_layers as compile_each_layer, train_steps
 
     cfg = SimpleNamespace(steps=steps, grad_accum=1, batch_size=batch["input_ids"].shape[0], lr=1e-4,
                           block_len=batch["input_ids"].shape[1], max_grad_norm=1.0, weight_decay=0.01, warmup_steps=0)
     task.loss_implementation = loss_implementation
     activation_checkpointing(task.model, checkpointing)
+    compile_each_layer(task.model, compile_layers)
     optimizer, scheduler = optimizer_for(task, cfg)
     stamps = [time.perf_counter()]
     task.model.train()
@@ -129,9 +133,10 @@ def measure(config, size, device_name, setup_only=False, state=None):
                                 loop == "trainer_liger")
     else:
         run = functools.partial(our_steps, task, batch, device, bf16, total,
-                                "hf" if loop == "adept_ext_hf_loss" else "auto", checkpointing)
+                                "hf" if loop == "adept_ext_hf_loss" else "auto", checkpointing,
+                                loop == "adept_ext_compile")
     times, peak = measure_peak_mb(run, device)
-    return times[WARMUP_STEPS:], peak, weights_mb
+    return times, peak, weights_mb
 
 
 def _child(queue, config, size, device_name):
@@ -172,11 +177,11 @@ def run(args, device):
             providers[name] = {"error": str(e)}
             print(f"{method:6} {name:28} failed: {e}", flush=True)
             continue
-        step_s = statistics.median(times)
+        step_s, first_step_s = statistics.median(times[WARMUP_STEPS:]), times[0]
         print(f"{method:6} {name:28} {tokens / step_s:9.1f} tokens/s, peak {peak:8.0f} MB "
-              f"(+ weights {weights_mb:.0f} MB)", flush=True)
-        providers[name] = {"step_s": step_s, "tokens_per_s": tokens / step_s, "peak_memory_mb": peak,
-                           "weights_mb": weights_mb}
+              f"(+ weights {weights_mb:.0f} MB), first step {first_step_s:.1f} s", flush=True)
+        providers[name] = {"step_s": step_s, "first_step_s": first_step_s, "tokens_per_s": tokens / step_s,
+                           "peak_memory_mb": peak, "weights_mb": weights_mb}
     for method, providers in results["methods"].items():
         base = providers["trainer"]
         for name, r in providers.items():
@@ -196,6 +201,6 @@ def rows(results):
     shape = f"{results['model']}, {results['batch']} x {results['seq']} tokens"
     return [row(name, metric, r[metric], unit, dtype=results["dtype"], shape=f"{method}: {shape}")
             for method, providers in results["methods"].items() for name, r in providers.items()
-            for metric, unit in (("tokens_per_s", "tokens/s"), ("peak_memory_mb", "MB"),
+            for metric, unit in (("tokens_per_s", "tokens/s"), ("peak_memory_mb", "MB"), ("first_step_s", "s"),
                                  ("tokens_per_s_vs_trainer", "x"), ("peak_memory_vs_trainer", "x"),
                                  ("with_weights_vs_trainer", "x")) if metric in r]
