@@ -24,7 +24,7 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
     """Token-weighted mean next-token loss on `batches` (`lm_loss.next_token_loss`: fused on a
     plain linear head unless `loss_implementation` is "hf"); under bf16 autocast while the model
     holds bfloat16 weights (`--frozen-dtype`: an evaluation in the middle of a task)."""
-    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    device, bf16 = torch.device(device), any(p.dtype == torch.bfloat16 for p in model.parameters())
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -32,7 +32,7 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             batch = {k: v.to(device) for k, v in batch.items()}
             n = int((batch["labels"][:, 1:] != -100).sum())
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 total += float(next_token_loss(model, batch, loss_implementation)) * n
             count += n
     finally:
@@ -108,7 +108,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
     metrics to `tracker` (at step `step_offset + step`) and calls `after_step(step)` after each
     step. Returns the step. Under data parallelism `model` is the DDP-wrapped model and rank r
     takes micro-batches r, r + W, … (see `parallel`)."""
-    world, rank = parallel.world_size(), parallel.rank()
+    world, rank, device = parallel.world_size(), parallel.rank(), torch.device(device)
     tracking = tracker is not None and tracker.active
     tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.block_len * world
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)
@@ -120,7 +120,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
             for micro in range(cfg.grad_accum):
                 batch = batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)]
                 batch = {k: v.to(device) for k, v in batch.items()}
-                with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                     loss = task.loss(batch, model) / cfg.grad_accum
                 loss.backward()
                 loss_sum += float(loss.detach())
