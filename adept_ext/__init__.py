@@ -10,6 +10,7 @@ from . import ops, reference  # noqa: F401
 from .methods import get_method
 from .methods.task import Task, prepare
 from .ops import check_cuda_device, compiled_cuda_arch_list, linear_cross_entropy, taylor_importance
+from .ops.torch_internals import has_kernel
 from .units import mean_importance
 
 __all__ = ["Task", "check_cuda_device", "compiled_cuda_arch_list", "cuda_available", "get_method",
@@ -20,7 +21,7 @@ def cuda_available() -> bool:
     """Whether the CUDA kernels were compiled into this build (says nothing about a GPU being
     present). Raises RuntimeError when they were, a GPU is visible, and the architectures they
     were compiled for cannot run on it (e.g. an sm_90 build on an A100)."""
-    compiled = torch._C._dispatch_has_kernel_for_dispatch_key("adept_ext::taylor_importance", "CUDA")
+    compiled = has_kernel("adept_ext::taylor_importance", "CUDA")
     if compiled and torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             check_cuda_device(i)

@@ -21,6 +21,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .ops.torch_internals import group_tensors_by_device_and_dtype
+
 
 class GroupedAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose `step` updates all param groups in one multi-tensor pass per
@@ -75,8 +77,8 @@ class GroupedAdamW(torch.optim.AdamW):
         if params:
             beta1, beta2 = self.param_groups[0]["betas"]
             eps = self.param_groups[0]["eps"]
-            grouped = self._group_tensors_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs, steps],
-                                                              with_indices=True)
+            grouped = group_tensors_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs, steps],
+                                                        with_indices=True)
             for (p, g, m, v, t), indices in grouped.values():
                 _adamw_foreach(p, g, m, v, t, [lrs[i] for i in indices], [decays[i] for i in indices],
                                beta1, beta2, eps)

@@ -25,6 +25,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .ops.torch_internals import undo_fully_shard
+
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -125,41 +127,8 @@ def unshard_model(model):
     model): every parameter becomes a whole plain parameter again on every rank (tied ones stay
     tied) and the hooks, state and classes `fully_shard` added are removed, so the model is the
     plain module it was (to merge, expand, evaluate and save, or to shard again). FSDP2 has no
-    public inverse of `fully_shard`: this takes back what torch 2.x's implementation adds."""
-    import importlib
-
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    from torch.distributed.tensor import DTensor
-
-    contract = importlib.import_module("torch.distributed._composable.contract")
-    whole = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if isinstance(p, DTensor) and id(p) not in whole:
-                whole[id(p)] = torch.nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and id(p) in whole:
-                module._parameters[name] = whole[id(p)]
-        for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
-            module.__dict__.pop(attr, None)
-        if not isinstance(module, FSDPModule):
-            continue
-        state = fully_shard.state(module)
-        for group in state._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                fsdp_param._post_load_hook_handle.remove()
-            for handle in (*group._module_to_pre_save_state_dict_hook_handle.values(),
-                           *group._module_to_pre_load_state_dict_hook_handle.values()):
-                handle.remove()
-        state._pre_forward_hook_handle.remove()
-        state._post_forward_hook_handle.remove()
-        for key in (contract.STATE_KEY, contract.REGISTRY_KEY):
-            module.__dict__.pop(key, None)
-        _module_state_mapping.pop(module, None)
-        module.__class__ = type(module).__mro__[type(module)._orig_cls_mro_index]
-    return model
+    public inverse of `fully_shard`: `torch_internals.undo_fully_shard` takes back what it adds."""
+    return undo_fully_shard(model)
 
 
 def save_sharded(path: Path, model, optimizer):

@@ -29,6 +29,24 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
 
 
+def linear_cross_entropy_logsumexp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                   ignore_index: int = -100) -> torch.Tensor:
+    """The op's second output: float64 [N] logsumexp of each row's logits, 0 at ignored rows."""
+    lse = torch.logsumexp(hidden.double() @ weight.double().T, dim=1)
+    return lse.masked_fill(targets == ignore_index, 0)
+
+
+def linear_cross_entropy_grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                                     grad_loss: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The backward's per-chunk step (docs/methods.md §1.1): float64 [c, V]
+    d = g_r·(exp(z − lse_r) − onehot(t_r)), 0 at ignored rows (in place on z in the kernel)."""
+    ignored = targets == ignore_index
+    d = torch.exp(logits.double() - lse.double()[:, None])
+    rows = torch.arange(len(targets), device=logits.device)[~ignored]
+    d[rows, targets[~ignored]] -= 1
+    return (d * grad_loss.double()[:, None]).masked_fill(ignored[:, None], 0)
+
+
 @torch.no_grad()
 def bypass_layer_losses(model, batches):
     """Naive definition of ADEPT's probe (docs/methods.md §1.1): L+1 full forwards of the HF model with

@@ -1,7 +1,9 @@
-// Chunked driver of linear_cross_entropy shared by the CPU and CUDA kernels: for each chunk
-// of rows, logits = hidden_chunk @ weight^T (one GEMM in the inputs' dtype), then a fused
-// per-row logsumexp + target-logit kernel writes loss = logsumexp - logit[target]. Only one
-// chunk of logits [chunk_rows, V] exists at a time.
+// Chunked drivers of linear_cross_entropy shared by the CPU and CUDA kernels. Forward: for each
+// chunk of rows, logits = hidden_chunk @ weight^T (one GEMM in the inputs' dtype), then a fused
+// per-row kernel writes lse = logsumexp(logits) and loss = lse - logit[target]. Only one chunk of
+// logits [chunk_rows, V] exists at a time. The backward's per-chunk kernel (grad_logits_) turns a
+// recomputed chunk of logits into the logits' gradient in place; its chunk loop is in Python
+// (adept_ext/ops/cross_entropy.py), which picks the weight-gradient GEMM the running torch offers.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -25,23 +27,40 @@ inline void check_lce_args(const at::Tensor& hidden, const at::Tensor& weight, c
   TORCH_CHECK(chunk_rows >= 0, "linear_cross_entropy: chunk_rows must be >= 0 (0 = default)");
 }
 
-// row_loss(logits [c, V], targets [c], ignore_index, loss [c] float32) is the backend's fused kernel.
+// row_loss(logits [c, V], targets [c], ignore_index, loss [c], lse [c]) is the backend's fused
+// kernel (both float32; 0 at ignored rows). Returns (loss, lse).
 template <typename RowLoss>
-at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
-                                        const at::Tensor& targets, int64_t ignore_index, int64_t chunk_rows,
-                                        RowLoss row_loss) {
+std::tuple<at::Tensor, at::Tensor> chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                                                const at::Tensor& targets, int64_t ignore_index,
+                                                                int64_t chunk_rows, RowLoss row_loss) {
   check_lce_args(hidden, weight, targets, chunk_rows);
   const int64_t n = hidden.size(0);
   auto loss = at::empty({n}, hidden.options().dtype(at::kFloat));
+  auto lse = at::empty({n}, hidden.options().dtype(at::kFloat));
   const int64_t chunk = chunk_rows > 0 ? chunk_rows : default_chunk_rows(weight.size(0));
   const auto w_t = weight.t();
   const auto t = targets.contiguous();
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t c = std::min(chunk, n - r0);
     const auto logits = at::mm(hidden.narrow(0, r0, c), w_t);
-    row_loss(logits, t.narrow(0, r0, c), ignore_index, loss.narrow(0, r0, c));
+    row_loss(logits, t.narrow(0, r0, c), ignore_index, loss.narrow(0, r0, c), lse.narrow(0, r0, c));
   }
-  return loss;
+  return {loss, lse};
+}
+
+inline void check_grad_logits_args(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                                   const at::Tensor& grad_loss) {
+  const char* name = "linear_cross_entropy_grad_logits_";
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), name, ": logits must be a contiguous [c, V] tensor");
+  const int64_t c = logits.size(0);
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == c && targets.scalar_type() == at::kLong &&
+                  targets.is_contiguous(), name, ": targets must be contiguous int64 [c]");
+  for (const auto* t : {&lse, &grad_loss}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == c && t->scalar_type() == at::kFloat && t->is_contiguous(), name,
+                ": lse and grad_loss must be contiguous float32 [c]");
+  }
+  TORCH_CHECK(targets.device() == logits.device() && lse.device() == logits.device() &&
+                  grad_loss.device() == logits.device(), name, ": tensors on different devices");
 }
 
 }  // namespace adept_ext

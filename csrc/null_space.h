@@ -12,7 +12,7 @@ constexpr int64_t kProjChunk = 8192;
 
 inline bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
-// Second line of defence: adept_ext/ops.py validates first and names the offending index.
+// Second line of defence: adept_ext/ops/ validates first and names the offending index.
 inline int64_t check_basis_args(at::TensorList basis, at::TensorList grads) {
   TORCH_CHECK(basis.size() == grads.size() && !basis.empty(), "null_space: basis and grads must be non-empty lists of equal length");
   const int64_t k = basis[0].dim() > 0 ? basis[0].size(0) : -1;

@@ -1,6 +1,6 @@
 // Op schemas of adept_ext and the (empty) Python module that loads them.
 // Backends register their kernels in csrc/cpu/ and csrc/cuda/ with TORCH_LIBRARY_IMPL;
-// argument checks with clear messages live in adept_ext/ops.py (DESIGN.md, "Checks happen in one place").
+// argument checks with clear messages live in adept_ext/ops/ (docs/design.md, "Conventions").
 #include <Python.h>
 #include <torch/library.h>
 
@@ -18,8 +18,6 @@ TORCH_LIBRARY(adept_ext, m) {
   m.def("taylor_importance(Tensor[] params, Tensor[] grads) -> Tensor");
   // Same sums written into (accumulate=False) or added onto (accumulate=True) out [n, 2] float32.
   m.def("taylor_importance_out(Tensor[] params, Tensor[] grads, Tensor(a!) out, bool accumulate) -> ()");
-  // Per-row cross-entropy of hidden [N, H] @ weight[V, H]^T against targets [N], float32 [N]
-  // (0 at ignore_index rows), computed in row chunks without materialising [N, V] (docs/methods.md §1.1).
   // Null-space projection (docs/methods.md §2). basis[i]: [k, *grads[i].shape], tensor i's slices of k
   // basis vectors. coeffs = Σ_i basis_i · grads_i, float64 [k] (= Qᵀg);
   m.def("null_space_coeffs(Tensor[] basis, Tensor[] grads) -> Tensor");
@@ -29,5 +27,13 @@ TORCH_LIBRARY(adept_ext, m) {
   // component along g_pre; then g_new += lam·g_pre, in place and without a host sync.
   // Returns float64 [4]: d, |g_pre|^2, |g_new|^2 (before the update) and the removed coefficient.
   m.def("conflict_correct_(Tensor(a!)[] g_new, Tensor[] g_pre, float lam, float eps) -> Tensor");
-  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, int chunk_rows) -> Tensor");
+  // Per-row cross-entropy of hidden [N, H] @ weight[V, H]^T against targets [N] (docs/methods.md §1.1),
+  // computed in row chunks without materialising [N, V]: (loss, lse), both float32 [N] and 0 at
+  // ignore_index rows; lse = logsumexp of the row's logits, kept for the backward.
+  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, int chunk_rows) -> "
+        "(Tensor, Tensor)");
+  // The backward's per-chunk kernel: logits [c, V] (contiguous, the recomputed chunk) become, in place,
+  // grad_loss[r] * (exp(logits - lse[r]) - onehot(targets[r])), 0 at ignore_index rows.
+  m.def("linear_cross_entropy_grad_logits_(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor grad_loss, "
+        "int ignore_index) -> ()");
 }

@@ -12,7 +12,7 @@ namespace adept_ext {
 // repeated calls give bit-identical results.
 constexpr int64_t kTaylorChunk = int64_t{1} << 15;
 
-// Second line of defence: adept_ext/ops.py validates first and names the offending index.
+// Second line of defence: adept_ext/ops/ validates first and names the offending index.
 inline void check_taylor_args(at::TensorList params, at::TensorList grads, const at::Tensor& out) {
   TORCH_CHECK(params.size() == grads.size(), "taylor_importance: ", params.size(), " params but ",
               grads.size(), " grads");

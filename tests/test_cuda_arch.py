@@ -4,6 +4,7 @@ import torch
 
 import adept_ext
 from adept_ext import _cuda_arch, ops
+from adept_ext.ops import checks
 from adept_ext._cuda_arch import choose_arch_list, parse_arch_list, runs_on
 
 
@@ -60,7 +61,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake GPU")
-        monkeypatch.setattr(ops, "compiled_cuda_arch_list", lambda: arch_list)
+        monkeypatch.setattr(checks, "compiled_cuda_arch_list", lambda: arch_list)
         ops.check_cuda_device.cache_clear()
     yield install
     ops.check_cuda_device.cache_clear()

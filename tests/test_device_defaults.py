@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from adept_ext import linear_cross_entropy, ops, probe, reference
+from adept_ext.ops import cross_entropy
 from adept_ext.ops import GPU_MIN_CHUNK_ROWS, default_chunk_rows
 from tiny_models import padded_batches, tiny_model
 
@@ -43,7 +44,7 @@ def test_default_chunk_gives_the_reference_loss_on_cpu(monkeypatch):
         asked.append((*args, real(*args)))
         return asked[-1][-1]
 
-    monkeypatch.setattr(ops, "default_chunk_rows", spy)
+    monkeypatch.setattr(cross_entropy, "default_chunk_rows", spy)
     got = linear_cross_entropy(h, w, t)
     assert asked == [(vocab, h.device, torch.float32, rule)]  # the rule, for this vocabulary, device and dtype
     monkeypatch.undo()

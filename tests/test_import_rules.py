@@ -296,9 +296,10 @@ def test_the_parser_sees_the_imports_it_must_check():
     found = {(i.importer, i.target, i.names, i.function) for i in imports()}
     assert ("adept_ext.__main__", "adept_ext.cli", ("main",), None) in found
     assert ("adept_ext.methods.adept", "adept_ext.placement", (), None) in found  # from .. import placement
-    assert ("adept_ext.ops", "adept_ext._build_info", ("CUDA_ARCH_LIST",), "compiled_cuda_arch_list") in found
+    assert ("adept_ext.ops.checks", "adept_ext._build_info", ("CUDA_ARCH_LIST",), "compiled_cuda_arch_list") in found
     assert ("adept_ext", "adept_ext._C", (), None) in found  # allowed: from . import _C
-    assert not private_imports([i for i in imports() if i.importer in ("adept_ext", "adept_ext.ops")])
+    kernels_and_root = [i for i in imports() if i.importer == "adept_ext" or i.importer.startswith("adept_ext.ops")]
+    assert not private_imports(kernels_and_root)
 
 
 PLANTED = {  # a tiny package with one violation of every rule, and imports that are allowed
@@ -350,3 +351,49 @@ def test_the_checks_report_planted_violations(tmp_path):
     (package / "methods" / "other.py").write_text("")
     cycles = import_cycles(imports(package))
     assert any(c.startswith("import cycle among top-level packages methods <-> units") for c in cycles), cycles
+
+
+TORCH_INTERNALS = PACKAGE_DIR / "ops" / "torch_internals.py"
+
+
+def private_torch_uses(package_dir: Path = PACKAGE_DIR, allowed: Path = TORCH_INTERNALS) -> List[str]:
+    """"file:line" of every `torch.<...>._name` attribute and every import of a private torch module
+    or name outside `allowed` (`torch._foreach_*`, documented ops, excepted)."""
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__") and not part.startswith("_foreach_")
+
+    found = set()
+    for path in sorted(package_dir.rglob("*.py")):
+        if path == allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            parts = []
+            if isinstance(node, ast.Attribute):
+                inner = node
+                while isinstance(inner, ast.Attribute):
+                    parts.append(inner.attr)
+                    inner = inner.value
+                parts = parts if isinstance(inner, ast.Name) and inner.id == "torch" else []
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                parts = node.module.split(".") + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                parts = [p for a in node.names if a.name.split(".")[0] == "torch" for p in a.name.split(".")]
+            if any(private(p) for p in parts):
+                found.add(f"{path.relative_to(package_dir.parent)}:{node.lineno}")
+    return sorted(found)
+
+
+def test_private_torch_apis_are_used_in_one_place():
+    """Every private torch API is in ops/torch_internals.py, with the versions it was checked on."""
+    assert not private_torch_uses(), "\n".join(private_torch_uses())
+    assert "Checked on:" in TORCH_INTERNALS.read_text()
+
+
+def test_the_private_torch_check_sees_a_planted_use(tmp_path):
+    package = tmp_path / "adept_ext"
+    package.mkdir()
+    (package / "a.py").write_text("import torch\n\ndef f(m):\n    return torch._C._any_requires_grad(m)\n")
+    (package / "b.py").write_text("from torch.distributed._composable_state import _module_state_mapping\n")
+    (package / "c.py").write_text("import torch\ntorch._foreach_add_([], 1)\n")
+    got = private_torch_uses(package, package / "none.py")
+    assert any("a.py:4" in g for g in got) and any("b.py:1" in g for g in got) and not any("c.py" in g for g in got)

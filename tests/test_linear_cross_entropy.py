@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adept_ext import reference
-from adept_ext.ops import linear_cross_entropy, linear_cross_entropy_backward
+from adept_ext.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_backward
 from conftest import cuda_only
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -36,8 +36,8 @@ def test_matches_reference(device, dtype, n, h, v, chunk):
     err_torch = (plain_torch(hidden, weight, targets) - exact).abs()
     if dtype == torch.float32:
         assert err.max() <= 1e-5 * exact.abs().max() + 1e-6
-    else:  # judged against plain PyTorch in the same precision
-        assert err.mean() <= 2 * err_torch.mean() + 1e-4, (err.mean(), err_torch.mean())
+    else:  # judged against plain PyTorch in the same precision, by the largest error
+        assert err.max() <= 2 * err_torch.max() + 1e-3, (err.max(), err_torch.max())
 
 
 def test_chunking_does_not_change_the_result(device):
@@ -230,9 +230,9 @@ def test_gradients_match_reference(device, dtype, n, h, v, chunk):
         err = (got.double() - ref).abs()
         if dtype == torch.float32:
             assert err.max() <= 2e-5 * ref.abs().max() + 1e-7, (err.max(), ref.abs().max())
-        else:  # judged against plain PyTorch autograd in the same precision
+        else:  # judged against plain PyTorch autograd in the same precision, by the largest error
             err_torch = (torch_got.double() - ref).abs()
-            assert err.mean() <= 2 * err_torch.mean() + 1e-6, (err.mean(), err_torch.mean())
+            assert err.max() <= 2 * err_torch.max() + 1e-5, (err.max(), err_torch.max())
     assert (ours[0][targets == -100] == 0).all()  # an ignored row gets no gradient
 
 
@@ -304,11 +304,23 @@ def test_opcheck_requires_grad(device, needs):
     torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy.default, (hidden, weight, targets, -100, 4))
 
 
+def forward_lse(hidden, weight, targets, ignore_index=-100, chunk=4):
+    return torch.ops.adept_ext.linear_cross_entropy.default(hidden, weight, targets, ignore_index, chunk)[1]
+
+
 def test_opcheck_backward_op(device):
     hidden, weight, targets = make(9, 8, 20, device, ignore_every=4)
+    lse = forward_lse(hidden, weight, targets)
     for need in ((True, True), (False, True)):
         torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy_backward.default,
-                              (torch.randn(9, device=device), hidden, weight, targets, -100, 4, *need))
+                              (torch.randn(9, device=device), hidden, weight, targets, lse, -100, 4, *need))
+
+
+def test_opcheck_grad_logits_op(device):
+    hidden, weight, targets = make(9, 8, 37, device, ignore_every=4)
+    lse = forward_lse(hidden, weight, targets)
+    torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default,
+                          (hidden @ weight.T, targets, lse, torch.randn(9, device=device), -100))
 
 
 def test_torch_compile_fullgraph_backward(device):
@@ -354,7 +366,8 @@ def test_backward_never_holds_more_than_one_chunk_of_logits():
     hidden, weight, targets = make(n, h, v, "cpu", ignore_every=5)
     grad_loss = torch.randn(n)
     with LargestTensor() as mode:
-        got = linear_cross_entropy_backward(grad_loss, hidden, weight, targets, -100, chunk, True, True)
+        lse = forward_lse(hidden, weight, targets, chunk=chunk)
+        got = linear_cross_entropy_backward(grad_loss, hidden, weight, targets, lse, -100, chunk, True, True)
     assert mode.numel == chunk * v
     for g, r in zip(got, reference_grads(hidden, weight, targets, grad_loss)):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
@@ -402,3 +415,68 @@ def test_autocast_accepts_mixed_dtypes_and_follows_the_autocast_dtype(device):
         mixed = linear_cross_entropy(hidden.bfloat16(), weight, targets)
     torch.testing.assert_close(mixed, linear_cross_entropy(hidden.bfloat16(), weight.bfloat16(), targets),
                                rtol=0, atol=0)
+
+
+# The backward's one-pass kernel and its second input, the forward's per-row logsumexp.
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,v", [(0, 7), (1, 5), (13, 31), (9, 1000), (4, 16)])
+def test_forward_logsumexp_matches_reference(device, dtype, n, v):
+    hidden, weight, targets = make(n, 16, v, device, dtype, ignore_every=3)
+    loss, lse = torch.ops.adept_ext.linear_cross_entropy.default(hidden, weight, targets, -100, 5)
+    exact = reference.linear_cross_entropy_logsumexp(hidden, weight, targets)
+    assert lse.dtype == torch.float32 and lse.shape == (n,) and (lse[targets == -100] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lse.double(), exact, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,v", [(0, 7), (1, 5), (13, 31), (9, 1000), (6, 16), (5, 3)])
+def test_grad_logits_matches_reference(device, dtype, n, v):
+    # odd vocabularies (a tail after the vector loop; the CUDA kernel's unvectorised rows), ignored
+    # rows, targets at both ends of the row, a grad_loss that differs per row
+    hidden, weight, targets = make(n, 16, v, device, dtype, ignore_every=3)
+    if n > 2:
+        targets[1], targets[2] = 0, v - 1
+    grad_loss = torch.randn(n, device=device)
+    lse = forward_lse(hidden, weight, targets)
+    logits = hidden @ weight.T
+    exact = reference.linear_cross_entropy_grad_logits(logits, targets, lse, grad_loss)
+    torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(logits, targets, lse, grad_loss, -100)
+    assert logits.dtype == dtype and (logits[targets == -100] == 0).all()
+    err = (logits.double() - exact).abs().max() if n else 0
+    rounding = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    assert err <= rounding * max(1.0, float(exact.abs().max()) if n else 0), err
+
+
+def test_grad_logits_refuses_a_target_outside_the_vocabulary():
+    hidden, weight, targets = make(3, 8, 20, "cpu")
+    lse = forward_lse(hidden, weight, targets)
+    targets[1] = 20
+    with pytest.raises(ValueError, match="target 20 out of range"):
+        torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(hidden @ weight.T, targets, lse,
+                                                                      torch.ones(3), -100)
+
+
+def test_weight_grad_paths():
+    # CPU: float32 accumulates with addmm_; bfloat16/float16 through float32 copies of the chunk
+    # (torch has no CPU kernel for addmm's out_dtype); on CUDA the out_dtype GEMM where this torch has it.
+    assert cross_entropy.weight_grad_path("cpu", torch.float32) == "float32"
+    assert cross_entropy.weight_grad_path("cpu", torch.bfloat16) == "float32_copies"
+    assert set(cross_entropy.WEIGHT_GRAD_PATHS) == {"float32", "out_dtype", "float32_copies", "temporary"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_weight_grad_path_gives_the_gradient(device, dtype, monkeypatch):
+    # each fallback the backward may take on a device is run here and judged against the reference
+    hidden, weight, targets = make(37, 24, 301, device, dtype, ignore_every=5)
+    grad_loss = torch.randn(37, device=device)
+    exact = reference_grads(hidden, weight, targets, grad_loss)[1]
+    paths = ["float32_copies", "temporary"] + (["out_dtype"] if torch.device(device).type == "cuda" else [])
+    for path in paths:
+        monkeypatch.setattr(cross_entropy, "weight_grad_path", lambda *args: path)
+        w = weight.clone().requires_grad_()
+        (gw,) = torch.autograd.grad(linear_cross_entropy(hidden, w, targets, chunk_rows=8), w, grad_loss)
+        plain = torch.autograd.grad(F.cross_entropy(hidden @ w.T, targets, reduction="none"), w, grad_loss.to(dtype))
+        err, err_torch = (gw.double() - exact).abs().max(), (plain[0].double() - exact).abs().max()
+        assert err <= 2 * err_torch + 1e-5, (path, err, err_torch)

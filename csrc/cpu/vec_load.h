@@ -1,4 +1,5 @@
-// Loads of float32 / bfloat16 / float16 data into at::vec::Vectorized<float>, shared by the CPU kernels.
+// Loads of float32 / bfloat16 / float16 data into at::vec::Vectorized<float> and stores back, shared by
+// the CPU kernels.
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -18,6 +19,18 @@ inline Vec load_float(const T* p) {
     Vec v;
     at::vec::load_to_float(p, v);
     return v;
+  }
+}
+
+// Stores the Vec::size() floats of v at p, converted to T (rounded to nearest).
+template <typename T>
+inline void store_float(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    float buf[Vec::size()];
+    v.store(buf);
+    for (int64_t k = 0; k < Vec::size(); ++k) p[k] = static_cast<T>(buf[k]);
   }
 }
 

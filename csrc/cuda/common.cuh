@@ -18,6 +18,11 @@ __device__ __forceinline__ float to_float(at::Half x) { return static_cast<float
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x) { return static_cast<T>(x); }
+// (torch's extension build defines __CUDA_NO_{HALF,BFLOAT16}_CONVERSIONS__: no implicit casts)
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 
 // N elements loaded or stored as one access of N * sizeof(T) bytes (the pointer must be so aligned).
 template <typename T, int N>

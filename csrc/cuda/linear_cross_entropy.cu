@@ -1,6 +1,8 @@
-// CUDA kernel of linear_cross_entropy: chunked GEMM (at::mm, cuBLAS), then one block per row
-// computing an online (max, sum-of-exp) logsumexp over the vocabulary in float32 (16-byte loads,
-// one exp per finite logit) with a deterministic block reduction, minus the target logit.
+// CUDA kernels of linear_cross_entropy. Forward: chunked GEMM (at::mm, cuBLAS), then one block per
+// row computing an online (max, sum-of-exp) logsumexp over the vocabulary in float32 (16-byte loads,
+// one exp per finite logit) with a deterministic block reduction, minus the target logit. Backward
+// (grad_logits_): one block per row turns the logits into g·(exp(z − lse) − onehot(t)) in place,
+// 16 bytes per load and store.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -83,12 +85,12 @@ __device__ __forceinline__ void add_logits(float& m, float& s, const float (&x)[
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     row_loss_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets, int64_t v,
-                    int64_t ignore_index, bool vectorised, float* __restrict__ loss) {
+                    int64_t ignore_index, bool vectorised, float* __restrict__ loss, float* __restrict__ lse) {
   constexpr int N = 16 / sizeof(T);
   const int64_t r = blockIdx.x;
   const int64_t t = targets[r];
   if (t == ignore_index) {
-    if (threadIdx.x == 0) loss[r] = 0.f;
+    if (threadIdx.x == 0) loss[r] = lse[r] = 0.f;
     return;
   }
   CUDA_KERNEL_ASSERT(t >= 0 && t < v);
@@ -109,20 +111,23 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (; j < v; j += blockDim.x) add_logit(m, s, to_float(row[j]));
   block_reduce_pair(m, s, -INFINITY, 0.f, [](float& m1, float& s1, float m2, float s2) { merge(m1, s1, m2, s2); });
-  if (threadIdx.x == 0) loss[r] = logsumexp_of(m, s) - to_float(row[t]);
+  if (threadIdx.x == 0) {
+    lse[r] = logsumexp_of(m, s);
+    loss[r] = lse[r] - to_float(row[t]);
+  }
 }
 
 template <typename T>
 void launch_row_loss(const T* logits, int64_t rows, int64_t v, const int64_t* targets, int64_t ignore_index,
-                     float* loss, cudaStream_t stream) {
+                     float* loss, float* lse, cudaStream_t stream) {
   const bool vectorised = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (v * sizeof(T)) % 16 == 0;
   row_loss_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, targets, v, ignore_index,
-                                                                       vectorised, loss);
+                                                                       vectorised, loss, lse);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void row_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets, int64_t ignore_index,
-                   const at::Tensor& loss) {
+                   const at::Tensor& loss, const at::Tensor& lse_out) {
   const auto logits = logits_in.contiguous();
   const int64_t rows = logits.size(0), v = logits.size(1);
   if (rows == 0) return;
@@ -131,26 +136,103 @@ void row_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets, int64
   auto stream = c10::cuda::getCurrentCUDAStream();
   const auto* t = targets.const_data_ptr<int64_t>();
   float* out = loss.data_ptr<float>();
+  float* lse = lse_out.data_ptr<float>();
   switch (logits.scalar_type()) {
-    case at::kFloat: return launch_row_loss(logits.const_data_ptr<float>(), rows, v, t, ignore_index, out, stream);
+    case at::kFloat:
+      return launch_row_loss(logits.const_data_ptr<float>(), rows, v, t, ignore_index, out, lse, stream);
     case at::kBFloat16:
       return launch_row_loss(reinterpret_cast<const __nv_bfloat16*>(logits.const_data_ptr<at::BFloat16>()), rows, v,
-                             t, ignore_index, out, stream);
+                             t, ignore_index, out, lse, stream);
     case at::kHalf:
       return launch_row_loss(reinterpret_cast<const __half*>(logits.const_data_ptr<at::Half>()), rows, v, t,
-                             ignore_index, out, stream);
+                             ignore_index, out, lse, stream);
     default: TORCH_CHECK(false, "linear_cross_entropy: unsupported dtype ", logits.scalar_type());
   }
 }
 
-at::Tensor linear_cross_entropy_cuda(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                     int64_t ignore_index, int64_t chunk_rows) {
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_cuda(const at::Tensor& hidden, const at::Tensor& weight,
+                                                             const at::Tensor& targets, int64_t ignore_index,
+                                                             int64_t chunk_rows) {
   const c10::cuda::CUDAGuard guard(hidden.device());
   return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_rows, row_loss_cuda);
 }
 
+// d = g·exp(x − l), except at the target: g·expm1(x − l) (no cancellation when p_t ≈ 1).
+__device__ __forceinline__ float grad_logit(float x, int64_t j, int64_t t, float l, float g) {
+  return j == t ? g * expm1f(x - l) : g * expf(x - l);
+}
+
+// One block per row, as row_loss_kernel (the same vectorised condition); an ignored row becomes 0.
+// Each element is read and written by the same thread, so the row is rewritten in place safely.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    grad_logits_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets, const float* __restrict__ lse,
+                       const float* __restrict__ grad_loss, int64_t v, int64_t ignore_index, bool vectorised) {
+  constexpr int N = 16 / sizeof(T);
+  const int64_t r = blockIdx.x;
+  const int64_t t = targets[r];
+  T* row = logits + r * v;
+  const bool ignored = t == ignore_index;
+  if (!ignored) {
+    CUDA_KERNEL_ASSERT(t >= 0 && t < v);
+  }
+  const float l = lse[r], g = ignored ? 0.f : grad_loss[r];
+  int64_t j = threadIdx.x;
+  if (vectorised) {
+    auto* packs = reinterpret_cast<Pack<T, N>*>(row);
+#pragma unroll 4
+    for (int64_t k = threadIdx.x; k < v / N; k += blockDim.x) {
+      Pack<T, N> p = packs[k];
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        p.v[e] = ignored ? from_float<T>(0.f) : from_float<T>(grad_logit(to_float(p.v[e]), k * N + e, t, l, g));
+      }
+      packs[k] = p;
+    }
+    j += v / N * N;
+  }
+  for (; j < v; j += blockDim.x) {
+    row[j] = ignored ? from_float<T>(0.f) : from_float<T>(grad_logit(to_float(row[j]), j, t, l, g));
+  }
+}
+
+template <typename T>
+void launch_grad_logits(T* logits, int64_t rows, int64_t v, const int64_t* targets, const float* lse,
+                        const float* grad_loss, int64_t ignore_index, cudaStream_t stream) {
+  const bool vectorised = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (v * sizeof(T)) % 16 == 0;
+  grad_logits_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, targets, lse, grad_loss, v,
+                                                                          ignore_index, vectorised);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void grad_logits_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                      const at::Tensor& grad_loss, int64_t ignore_index) {
+  check_grad_logits_args(logits, targets, lse, grad_loss);
+  const int64_t rows = logits.size(0), v = logits.size(1);
+  if (rows == 0) return;
+  TORCH_CHECK(rows < (int64_t{1} << 31), "linear_cross_entropy: chunk_rows must be below 2^31 on CUDA");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto* t = targets.const_data_ptr<int64_t>();
+  const float* l = lse.const_data_ptr<float>();
+  const float* g = grad_loss.const_data_ptr<float>();
+  switch (logits.scalar_type()) {
+    case at::kFloat: return launch_grad_logits(logits.data_ptr<float>(), rows, v, t, l, g, ignore_index, stream);
+    case at::kBFloat16:
+      return launch_grad_logits(reinterpret_cast<__nv_bfloat16*>(logits.data_ptr<at::BFloat16>()), rows, v, t, l, g,
+                                ignore_index, stream);
+    case at::kHalf:
+      return launch_grad_logits(reinterpret_cast<__half*>(logits.data_ptr<at::Half>()), rows, v, t, l, g,
+                                ignore_index, stream);
+    default: TORCH_CHECK(false, "linear_cross_entropy_grad_logits_: unsupported dtype ", logits.scalar_type());
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(adept_ext, CUDA, m) { m.impl("linear_cross_entropy", &linear_cross_entropy_cuda); }
+TORCH_LIBRARY_IMPL(adept_ext, CUDA, m) {
+  m.impl("linear_cross_entropy", &linear_cross_entropy_cuda);
+  m.impl("linear_cross_entropy_grad_logits_", &grad_logits_cuda);
+}
 
 }  // namespace adept_ext

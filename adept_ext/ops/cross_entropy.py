@@ -1,0 +1,163 @@
+"""`linear_cross_entropy`: per-row cross-entropy of hidden @ weight.T without materialising the
+logits, forward and backward (docs/methods.md §1.1)."""
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+from .checks import SUPPORTED_DTYPES, check_device_arch
+
+# linear_cross_entropy's default chunking bounds the logits of one chunk, the GEMM's output.
+# CPU: 2^23 logits (32 MB in float32; the kernel's own default, sized for 2 cores' caches).
+# GPU: 256 MiB of logits in the GEMM's dtype and at least 1024 rows: a 2^23-logit chunk is 65 rows
+# at V = 128k, which made every GEMM tiny on an H200 (43 ms vs 8.3 ms at 1024 rows, issue 11).
+CPU_CHUNK_LOGITS = 1 << 23
+GPU_CHUNK_BYTES = 256 << 20
+GPU_MIN_CHUNK_ROWS = 1024
+
+
+def default_chunk_rows(vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Rows per chunk that `linear_cross_entropy` uses when `chunk_rows` is None (see above)."""
+    vocab = max(int(vocab), 1)
+    if torch.device(device).type == "cpu":
+        return max(1, CPU_CHUNK_LOGITS // vocab)
+    rows = GPU_CHUNK_BYTES // (vocab * dtype.itemsize)
+    return max(GPU_MIN_CHUNK_ROWS, rows // 128 * 128)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Per-row cross-entropy of the logits hidden @ weight.T, without materialising them (docs/methods.md §1.1).
+
+    hidden [N, H] and weight [V, H] (float32, bfloat16 or float16, same dtype and device),
+    targets [N] int64 in [0, V) or ``ignore_index``. Returns float32 [N]:
+    loss_i = logsumexp_v(h_i·w_v) − h_i·w_{t_i}, and 0 at ignored rows. Rows are processed
+    ``chunk_rows`` at a time (default by the device, `default_chunk_rows`: about 2^23 logits per
+    chunk on a CPU, 256 MiB of logits and at least 1024 rows on a GPU), so the peak extra memory
+    is O(chunk_rows × V), never O(N × V). The GEMM runs in the inputs' dtype (as
+    ``hidden @ weight.T`` would); the logsumexp is float32.
+    Differentiable with respect to hidden and weight (see `linear_cross_entropy_backward`: one
+    chunk of logits at a time, so it never holds [N, V] either).
+    Raises ValueError/TypeError on bad shapes, dtypes and devices. The target range is checked by
+    the kernels, so that no call reads the targets on the host (a GPU synchronisation): on the CPU
+    an out-of-range target is a ValueError naming its index, on CUDA a device-side assert, which
+    leaves the CUDA context unusable — the runners validate targets where they build batches.
+    """
+    name = "linear_cross_entropy"
+    for label, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {label} is a {type(t).__name__}, expected a torch.Tensor")
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(
+            f"{name}: expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: hidden has {hidden.shape[1]} features but weight has {weight.shape[1]}")
+    if targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{name}: {hidden.shape[0]} hidden rows but {targets.shape[0]} targets")
+    autocast = torch.is_autocast_enabled(hidden.device.type)  # both are cast to the autocast dtype (registration)
+    if hidden.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES or \
+            (weight.dtype != hidden.dtype and not autocast):
+        raise TypeError(f"{name}: hidden and weight must share a dtype of float32/bfloat16/float16 (or run "
+                        f"under autocast); got {hidden.dtype} and {weight.dtype}")
+    if targets.dtype != torch.int64:
+        raise TypeError(f"{name}: targets must be int64, got {targets.dtype}")
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(f"{name}: hidden, weight and targets must be on one device; got "
+                         f"{hidden.device}, {weight.device}, {targets.device}")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"{name}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    if weight.shape[0] == 0:
+        if hidden.shape[0] == 0:
+            return torch.zeros(0, dtype=torch.float32, device=hidden.device)
+        raise ValueError(f"{name}: weight has no rows (vocabulary of size 0)")
+    check_device_arch(hidden.device)
+    gemm_dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
+    loss, _ = torch.ops.adept_ext.linear_cross_entropy.default(
+        hidden, weight, targets, ignore_index,
+        chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, gemm_dtype))
+    return loss
+
+
+# How the backward accumulates grad_weight = Σ_chunks dᵀh in float32 without a [V, H] temporary.
+WEIGHT_GRAD_PATHS = {
+    "float32": "float32 inputs: addmm_ into the float32 gradient",
+    "out_dtype": "addmm with out_dtype=float32: the low-precision GEMM accumulates into the float32 gradient",
+    "float32_copies": "the chunk's d and h copied to float32, then addmm_ (no out_dtype kernel on this device)",
+    "temporary": "a low-precision [V, H] GEMM result added into the float32 gradient (no out_dtype kernel)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_out_dtype_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch has a kernel for addmm(..., out_dtype=float32) on `dtype` inputs on the
+    device type (CUDA since about torch 2.8; not the CPU in 2.14): tried once on a 2 × 2 problem."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        c = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool(c.eq(2).all())
+
+
+def weight_grad_path(device_type: str, dtype: torch.dtype) -> str:
+    """The key of `WEIGHT_GRAD_PATHS` the backward takes for inputs of `dtype` on `device_type`."""
+    if dtype == torch.float32:
+        return "float32"
+    if _addmm_out_dtype_runs(device_type, dtype):
+        return "out_dtype"
+    return "float32_copies" if device_type == "cpu" else "temporary"
+
+
+def _accumulate_weight_grad(path: str, grad_weight: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> None:
+    if path == "float32":
+        grad_weight.addmm_(d.T, h)
+    elif path == "out_dtype":
+        torch.addmm(grad_weight, d.T, h, out_dtype=torch.float32, out=grad_weight)
+    elif path == "float32_copies":
+        grad_weight.addmm_(d.T.float(), h.float())
+    else:
+        grad_weight.add_(d.T @ h)
+
+
+def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                  targets: torch.Tensor, lse: torch.Tensor, ignore_index: int, chunk_rows: int,
+                                  need_hidden: bool, need_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of Σ_i grad_loss_i · loss_i, chunk_rows rows at a time (0: `default_chunk_rows`).
+
+    lse: float32 [N], the forward's per-row logsumexp. Per chunk the logits z = h Wᵀ are recomputed
+    in the inputs' dtype and turned in place, in one kernel, into d = g·(exp(z − lse) − onehot(t))
+    (0 at ignored rows); then grad_hidden = d W and grad_weight = Σ_chunks dᵀ h, summed in float32
+    (`weight_grad_path`). Returns (grad_hidden, grad_weight) in the inputs' dtype; one that is not
+    needed is an empty tensor. Peak extra memory O(chunk_rows × V) plus the float32 weight gradient.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    chunk = chunk_rows or default_chunk_rows(vocab, hidden.device, hidden.dtype)
+    scale, targets, lse = grad_loss.float().contiguous(), targets.contiguous(), lse.contiguous()
+    grad_hidden = hidden.new_empty(hidden.shape if need_hidden else (0,))
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight \
+        else weight.new_empty(0)
+    path = weight_grad_path(hidden.device.type, hidden.dtype)
+    for r0 in range(0, n, chunk):
+        h = hidden[r0:r0 + chunk]
+        d = h @ weight.T
+        torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(
+            d, targets[r0:r0 + chunk], lse[r0:r0 + chunk], scale[r0:r0 + chunk], ignore_index)
+        if need_hidden:
+            torch.mm(d, weight, out=grad_hidden[r0:r0 + chunk])
+        if need_weight:
+            _accumulate_weight_grad(path, grad_weight, d, h)
+    return grad_hidden, grad_weight.to(weight.dtype)
+
+
+# An op of its own, so that torch.compile traces the backward as one node with a fake impl
+# (ops/registration.py registers it and the forward's autograd formula).
+linear_cross_entropy_backward_op = torch.library.custom_op(
+    "adept_ext::linear_cross_entropy_backward", linear_cross_entropy_backward, mutates_args=())
