@@ -39,7 +39,7 @@ OPTIONS = {  # the options each command shows and takes; run/train/continual tak
 CONFIGS = {"continual": continual.ContinualConfig, **{name: RunConfig for name in
                                                    ("run", "train", "probe", "expand", "eval", "diagnose")}}
 SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "gradient_checkpointing", "report_to",
-                  "loss_implementation", "compile",
+                  "loss_implementation", "compile", "logging_steps",
                   "resume", "overwrite"}
 ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
            "block_size": "block_len", "seq_len": "block_len", "max_length": "block_len",
@@ -68,6 +68,9 @@ HELP = {
     "warmup_steps": "linear warmup steps before the cosine decay",
     "weight_decay": "AdamW weight decay",
     "max_grad_norm": "gradient clipping norm (0 = off)",
+    "logging_steps": "read the training loss from the device every N steps (and at the last) and log the mean over "
+                     "those steps (Hugging Face's logging_steps): the report's history, the progress bar and "
+                     "--report-to get one entry per N steps; 1 logs every step",
     "gradient_checkpointing": "recompute each decoder layer's activations in the backward pass instead of keeping "
                               "them (Hugging Face's non-reentrant activation checkpointing): less memory, the "
                               "same losses, about one more forward per step",

@@ -204,6 +204,7 @@ OPTIONS = {
     "warmup_steps": Opt(2, -1, "warmup_steps must be >= 0"),
     "weight_decay": Opt(0.1, -1.0, "weight_decay must be >= 0"),
     "max_grad_norm": Opt(0.5, -1.0, "max_grad_norm must be >= 0"),
+    "logging_steps": Opt(5, 0, "logging_steps must be >= 1"),
     "gradient_checkpointing": Opt(True),
     "attn_implementation": Opt("eager", "flash", "attn_implementation must be one of sdpa, eager"),
     "loss_implementation": Opt("hf", "logits", "loss_implementation must be one of auto, fused, hf"),

@@ -28,6 +28,18 @@ def block_rows(rows: Sequence[Sequence[int]], pad: int, width: int) -> Dict[str,
             "labels": input_ids.masked_fill(attention_mask == 0, -100)}
 
 
+def check_labels(batch: Dict[str, torch.Tensor], vocab_size: int, ignore_index: int = -100):
+    """InputError (a ValueError) naming the first label of `batch` that is neither in
+    [0, vocab_size) nor `ignore_index`. Read on the host (a batch as this package builds it), once
+    before the batch goes to the device: the fused loss does not read its targets back from a GPU."""
+    labels = batch["labels"].cpu().numpy()
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"labels{list(where)} = {labels[where]} is outside the model's vocabulary [0, {vocab_size}) "
+                         f"and is not {ignore_index} (a position not scored)")
+
+
 def pad_id(tokenizer) -> int:
     """The tokenizer's pad token, else its EOS token; ValueError when it has neither."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -10,13 +10,32 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import parallel
-from ..lm_loss import next_token_loss
+from ..data import check_labels
+from ..lm_loss import base_model, next_token_loss
 from ..models import adapter
 from ..methods.task import Task, prepare
+from ..ops.torch_internals import uncompile_module
 from ..optim import GroupedAdamW
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
 from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb
 from .rundir import CHECKPOINT, atomic_write
+
+
+def vocab_size(model) -> int:
+    """Rows of the LM head of `model` (through DDP and PEFT wrappers): the labels' range."""
+    return adapter(base_model(model)).lm_head.weight.shape[0]
+
+
+def to_device(batch: Dict[str, torch.Tensor], device: torch.device, vocab: int) -> Dict[str, torch.Tensor]:
+    """A batch built on the host, its labels checked there (`data.check_labels`, InputError), on
+    `device`: on a GPU copied from pinned memory, so that the copy does not wait for the work
+    queued before it. A batch already on a GPU (a benchmark's) is taken as it is."""
+    if not batch["labels"].is_cpu:
+        return batch
+    check_labels(batch, vocab)
+    if device.type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -25,13 +44,14 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
     plain linear head unless `loss_implementation` is "hf"); under bf16 autocast while the model
     holds bfloat16 weights (`--frozen-dtype`: an evaluation in the middle of a task)."""
     device, bf16 = torch.device(device), any(p.dtype == torch.bfloat16 for p in model.parameters())
+    vocab = vocab_size(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     try:
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
-            batch = {k: v.to(device) for k, v in batch.items()}
             n = int((batch["labels"][:, 1:] != -100).sum())
+            batch = to_device(batch, device, vocab)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 total += float(next_token_loss(model, batch, loss_implementation)) * n
             count += n
@@ -79,7 +99,7 @@ def compile_layers(model, enable: bool):
         if enable:
             layer.compile()
         else:  # nn.Module.compile keeps the compiled callable here; None is the eager module again
-            layer._compiled_call_impl = None
+            uncompile_module(layer)
 
 
 class TaskHooks:
@@ -102,32 +122,39 @@ class TaskHooks:
 def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
                 desc: str, progress: bool, *, after_step, tracker=None, step_offset: int = 0) -> int:
     """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
-    batches per step and rank, bf16 autocast when `bf16`, gradient clipping), the loss from
-    `task.loss`; appends the loss (mean over ranks) to `history["train"]`, shows loss and tokens/s
-    on the progress bar, sends loss, lr, grad norm, tokens/s, peak memory and the method's own
-    metrics to `tracker` (at step `step_offset + step`) and calls `after_step(step)` after each
-    step. Returns the step. Under data parallelism `model` is the DDP-wrapped model and rank r
-    takes micro-batches r, r + W, … (see `parallel`)."""
+    batches per step and rank, each through `to_device`; bf16 autocast when `bf16`, gradient
+    clipping), the loss from `task.loss`; calls `after_step(step)` after each step. Returns the step.
+
+    The loss stays on the device, summed over micro-batches and steps, and is read (the steps' one
+    host synchronisation; under torchrun a second, the mean over ranks) every `cfg.logging_steps`
+    steps and at the last: the mean over the steps since the last read (and over ranks) is
+    appended to `history["train"]` with the step's lr, shown on the progress bar with the tokens/s
+    since the last read, and sent to `tracker` (at step `step_offset + step`) with the step's grad
+    norm, peak memory and the method's own metrics. Under data parallelism `model` is the
+    DDP-wrapped model and rank r takes micro-batches r, r + W, … (see `parallel`)."""
     world, rank, device = parallel.world_size(), parallel.rank(), torch.device(device)
-    tracking = tracker is not None and tracker.active
+    vocab, tracking = vocab_size(task.model), tracker is not None and tracker.active
     tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.block_len * world
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # float64: the sum a Python float would hold
+    last_read = step
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)
     try:
         while step < cfg.steps:
-            started = time.perf_counter()
+            if step == last_read:  # the time of the steps since the read, not the evaluation after it
+                started = time.perf_counter()
+            read = (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.steps
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
             for micro in range(cfg.grad_accum):
-                batch = batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)]
-                batch = {k: v.to(device) for k, v in batch.items()}
+                batch = to_device(batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)], device,
+                                  vocab)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                     loss = task.loss(batch, model) / cfg.grad_accum
                 loss.backward()
-                loss_sum += float(loss.detach())
+                loss_sum += loss.detach()
             grad_norm = None
             if cfg.max_grad_norm > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(task.trainable, cfg.max_grad_norm)
-            elif tracking:
+            elif tracking and read:
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in task.trainable if p.grad is not None])
             note = task.step_note()
             if note:
@@ -135,16 +162,23 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
             optimizer.step()
             scheduler.step()
             step += 1
-            loss_sum = parallel.mean_over_ranks(loss_sum, device)
-            history["train"].append({"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0]})
-            tokens_per_second = tokens_per_step / (time.perf_counter() - started)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.3f}", tokens_per_s=f"{tokens_per_second:.0f}")
-            if tracking:
-                norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP2: a DTensor
-                tracker.log({"train/loss": loss_sum, "train/lr": scheduler.get_last_lr()[0],
-                             "train/grad_norm": float(norm), "train/tokens_per_second": tokens_per_second,
-                             "train/peak_memory_mb": peak_memory_mb(device), **task.metrics()}, step_offset + step)
+            if read:
+                steps_read, last_read = step - last_read, step
+                values = [loss_sum]
+                if tracking:
+                    values.append(getattr(grad_norm, "full_tensor", lambda: grad_norm)().double())  # FSDP2: a DTensor
+                local_sum, *norm = torch.stack(values).tolist()  # the one host synchronisation
+                loss_sum.zero_()
+                loss_mean = parallel.mean_over_ranks(local_sum, device) / steps_read
+                tokens_per_second = tokens_per_step * steps_read / (time.perf_counter() - started)
+                lr = scheduler.get_last_lr()[0]
+                history["train"].append({"step": step, "loss": loss_mean, "lr": lr})
+                bar.set_postfix(loss=f"{loss_mean:.3f}", tokens_per_s=f"{tokens_per_second:.0f}")
+                if tracking:
+                    tracker.log({"train/loss": loss_mean, "train/lr": lr, "train/grad_norm": norm[0],
+                                 "train/tokens_per_second": tokens_per_second,
+                                 "train/peak_memory_mb": peak_memory_mb(device), **task.metrics()}, step_offset + step)
             after_step(step)
     finally:
         bar.close()

@@ -34,6 +34,7 @@ class TrainOptions:
     warmup_steps: int = 4             # linear warmup, then cosine decay to 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0        # gradient clipping (0 = off)
+    logging_steps: int = 1            # read the training loss every N steps and log their mean (HF's name)
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (HF's, non-reentrant)
     attn_implementation: str = "sdpa"  # transformers' attention backend: sdpa | eager | flash_attention_2
     loss_implementation: str = "auto"  # next-token loss: auto (fused on a plain linear head) | fused | hf
@@ -65,8 +66,8 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
         raise RunError(f"unknown option(s): {', '.join(unknown)}")
     check_types(cls, overrides)
     cfg = cls(**overrides)
-    for name in ("block_len", "batch_size", "grad_accum", "steps", "probe_blocks", "eval_blocks", "recompute_every",
-                 "k"):
+    for name in ("block_len", "batch_size", "grad_accum", "steps", "logging_steps", "probe_blocks", "eval_blocks",
+                 "recompute_every", "k"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm"):

@@ -1,0 +1,155 @@
+"""Host synchronisations in the training steps: the loss stays on the device and is read once
+every `--logging-steps` steps; a batch's labels are checked on the host before it goes there."""
+import traceback
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import adept_ext.training.loop as loop
+from adept_ext.data import check_labels
+from adept_ext.errors import InputError
+from adept_ext.train import config_from, run
+from conftest import DEVICES
+from tiny_models import write_run_workspace
+
+READS = ("item", "__bool__", "__float__", "__int__", "tolist")  # a tensor's value read on the host
+# Reads made in these files are not counted: AdamW's step counts, which torch keeps on the host on
+# every device (adept_ext/optim.py); transformers' mask preparation, which in every forward reads
+# the attention mask (or, without one, the position ids) back from the device to choose SDPA's
+# causal path (transformers 5's masking_utils: one per micro-batch, the Trainer's too, not the
+# loop's to remove).
+NOT_SYNCS = ("adept_ext/optim.py", "transformers/masking_utils.py")
+STEPS, LOGGING, ACCUM, EVERY = 25, 10, 4, 7  # evaluation, checkpoint and ADEPT's recompute at steps 7, 14, 21
+
+
+class Syncs:
+    """Counts, while `on`, the host reads of tensors (the patched `READS`; on a GPU only those of
+    device tensors) and, on a GPU, the synchronisations `torch.cuda.set_sync_debug_mode` reports."""
+
+    def __init__(self, monkeypatch, cuda: bool):
+        self.cuda, self.active, self.reads, self.warned = cuda, False, [], []
+        for name in READS:
+            monkeypatch.setattr(torch.Tensor, name, self.counting(name, getattr(torch.Tensor, name)))
+
+    def counting(self, name, real):
+        def read(tensor, *args, **kwargs):
+            if self.active and not (self.cuda and tensor.is_cpu):
+                stack = traceback.extract_stack()[:-1]
+                if not any(path in frame.filename for frame in stack for path in NOT_SYNCS):
+                    self.reads.append(f"{name} at " + " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+                                                                  for f in reversed(stack[-4:])))
+            return real(tensor, *args, **kwargs)
+        return read
+
+    @contextmanager
+    def on(self):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.caught, self.active = caught, True
+            if self.cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                self.active = False
+                if self.cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+
+    def take(self):
+        """(host reads, device synchronisations) since the last call."""
+        warned = [w for w in self.caught if "synchronizing CUDA operation" in str(w.message)
+                  and not any(path in w.filename for path in NOT_SYNCS)]
+        got = (self.reads, warned[len(self.warned):])
+        self.reads, self.warned = [], warned
+        return got
+
+
+def tiny_run(ws, out, **options):
+    cfg = config_from(dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
+                           out=str(ws / out), k=2, block_len=32, batch_size=2, grad_accum=ACCUM, warmup_steps=1,
+                           probe_blocks=4, eval_blocks=4, eval_every=EVERY, save_every=EVERY,
+                           recompute_every=EVERY, lr=1e-3, **options))
+    return run(cfg, progress=False, log=lambda *a: None)
+
+
+def counted_run(ws, out, monkeypatch, device, **options):
+    """`tiny_run` on `device`; returns (report, {step: (host reads, device syncs) of the step,
+    its evaluation and checkpoint included})."""
+    syncs, per_step, real = Syncs(monkeypatch, device == "cuda"), {}, loop.train_steps
+
+    def counted(*args, after_step, **kwargs):
+        def after(step):
+            after_step(step)
+            per_step[step] = syncs.take()
+        with syncs.on():
+            return real(*args, after_step=after, **kwargs)
+
+    monkeypatch.setattr(loop, "train_steps", counted)
+    return tiny_run(ws, out, device=device, **options), per_step
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return write_run_workspace(tmp_path_factory.mktemp("sync"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["lora", "adept"])
+def test_one_host_sync_per_logging_steps(workspace, monkeypatch, method, device):
+    """--logging-steps 10 --grad-accum 4 (and --report-to tensorboard: the grad norm is read too): no
+    step reads a tensor on the host but the steps that log (10, 20 and the last, 25), which read
+    once; evaluation, checkpoint and recompute steps (7, 14, 21) may."""
+    report, per_step = counted_run(workspace, f"{method}-{device}", monkeypatch, device, method=method, steps=STEPS,
+                                   logging_steps=LOGGING, report_to="tensorboard")
+    assert sorted(per_step) == list(range(1, STEPS + 1))
+    logged = [h["step"] for h in report["history"]["train"]]
+    assert logged == [10, 20, 25]
+    for step, (reads, synced) in per_step.items():
+        if step % EVERY:
+            allowed = 1 if step in logged else 0
+            assert len(reads) <= allowed, f"step {step}: {reads}"
+            assert len(synced) <= allowed, f"step {step}: {[str(w.message) for w in synced]}"
+
+
+def test_the_count_catches_a_read_per_micro_batch(workspace, monkeypatch):
+    """A planted float(loss) in every micro-batch's loss shows in every step's count."""
+    from adept_ext.methods.base import Method
+
+    real_loss = Method.loss
+
+    def reading(self, *args, **kwargs):
+        loss = real_loss(self, *args, **kwargs)
+        float(loss)
+        return loss
+
+    monkeypatch.setattr(Method, "loss", reading)
+    _, per_step = counted_run(workspace, "planted", monkeypatch, "cpu", method="lora", steps=2, logging_steps=LOGGING)
+    assert [len(reads) for reads, _ in per_step.values()] == [ACCUM, ACCUM + 1]  # step 2: the last, which logs
+
+
+def test_logging_steps_log_the_mean_since_the_last_log(workspace):
+    """Hugging Face's logging: at step 10, 20 and the last (25) the mean loss of the steps since the
+    previous entry, with that step's lr; --logging-steps 1 logs every step's own loss."""
+    every = tiny_run(workspace, "every-step", method="lora", steps=STEPS)
+    tenth = tiny_run(workspace, "every-tenth", method="lora", steps=STEPS, logging_steps=LOGGING)
+    steps = every["history"]["train"]
+    assert [h["step"] for h in steps] == list(range(1, STEPS + 1))
+    assert [h["step"] for h in tenth["history"]["train"]] == [10, 20, 25]
+    for entry, (first, last) in zip(tenth["history"]["train"], [(0, 10), (10, 20), (20, 25)]):
+        assert entry["step"] == last and entry["lr"] == steps[last - 1]["lr"]
+        assert entry["loss"] == pytest.approx(sum(h["loss"] for h in steps[first:last]) / (last - first), rel=1e-12)
+    assert every["final"] == tenth["final"]  # logging changes no step
+
+
+def test_labels_are_checked_on_the_host_before_the_device():
+    """The fused loss does not read its targets back from a GPU: a batch's labels are checked on
+    the host as it goes to the device."""
+    ids = torch.tensor([[5, 6, 96], [0, 97, 3]])
+    good = {"input_ids": ids, "labels": ids.masked_fill(ids == 97, -100)}
+    assert torch.equal(loop.to_device(good, torch.device("cpu"), 97)["labels"], good["labels"])
+    with pytest.raises(InputError, match=r"labels\[1, 1\] = 97 is outside the model's vocabulary \[0, 97\)"):
+        loop.to_device({"input_ids": ids, "labels": ids}, torch.device("cpu"), 97)
+    with pytest.raises(ValueError, match=r"labels\[0, 0\] = -1 "):
+        check_labels({"labels": torch.tensor([[-1]])}, 97)
