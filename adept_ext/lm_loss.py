@@ -95,5 +95,5 @@ def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str =
         handle.remove()
     hidden = caught[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
-    losses = ad.head_losses(hidden.reshape(-1, hidden.shape[-1]), targets)  # the fused op, Granite's scale on h
-    return losses.sum() / (targets != IGNORE_INDEX).sum()
+    total = ad.head_loss_sum(hidden.reshape(-1, hidden.shape[-1]), targets)  # the fused op, Granite's scale on h
+    return total / (targets != IGNORE_INDEX).sum()

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 
 from .errors import InputError
-from .ops import linear_cross_entropy
+from .ops import linear_cross_entropy, linear_cross_entropy_sum
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' attn_implementation names
 EMBEDDED_MODELS = {
@@ -162,6 +162,15 @@ class ModelAdapter:
         losses = [torch.nn.functional.cross_entropy(self.head_logits(r).float(), t, reduction="none")
                   for r, t in zip(rows.split(chunk), targets.split(chunk))]
         return torch.cat(losses) if losses else rows.new_zeros(0, dtype=torch.float32)
+
+    def head_loss_sum(self, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Σ of `head_losses` (float32 scalar), the training loss's numerator: the fused
+        `linear_cross_entropy_sum` (its gradients computed in the forward: one GEMM fewer per step)
+        where the head is linear, else the soft-capped rows' sum."""
+        if self.logit_softcap is not None:
+            return self.head_losses(rows, targets).sum()
+        rows = rows * self.logit_scale if self.logit_scale != 1 else rows
+        return linear_cross_entropy_sum(rows, self.lm_head.weight, targets)
 
     def residual_outputs(self, layer) -> List[torch.Tensor]:
         """The tensors (weights and biases) whose zeroing makes `layer` the identity (`Family`);

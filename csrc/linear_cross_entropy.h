@@ -48,6 +48,19 @@ std::tuple<at::Tensor, at::Tensor> chunked_linear_cross_entropy(const at::Tensor
   return {loss, lse};
 }
 
+// The row kernel on logits the caller computed: (loss, lse) of each row, float32.
+template <typename RowLoss>
+std::tuple<at::Tensor, at::Tensor> logits_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                                        int64_t ignore_index, RowLoss row_loss) {
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) &&
+                  targets.scalar_type() == at::kLong && targets.device() == logits.device(),
+              "linear_cross_entropy_rows: expected logits [c, V] and int64 targets [c] on one device");
+  auto loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  auto lse = at::empty_like(loss);
+  row_loss(logits, targets.contiguous(), ignore_index, loss, lse);
+  return {loss, lse};
+}
+
 inline void check_grad_logits_args(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                                    const at::Tensor& grad_loss) {
   const char* name = "linear_cross_entropy_grad_logits_";

@@ -32,6 +32,9 @@ TORCH_LIBRARY(adept_ext, m) {
   // ignore_index rows; lse = logsumexp of the row's logits, kept for the backward.
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, int chunk_rows) -> "
         "(Tensor, Tensor)");
+  // The forward's row kernel on a given chunk of logits [c, V]: (loss, lse), float32 [c], 0 at ignored rows
+  // (linear_cross_entropy_sum's forward computes the logits itself, to reuse them for the gradients).
+  m.def("linear_cross_entropy_rows(Tensor logits, Tensor targets, int ignore_index) -> (Tensor, Tensor)");
   // The backward's per-chunk kernel: logits [c, V] (contiguous, the recomputed chunk) become, in place,
   // grad_loss[r] * (exp(logits - lse[r]) - onehot(targets[r])), 0 at ignore_index rows.
   m.def("linear_cross_entropy_grad_logits_(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor grad_loss, "

@@ -12,6 +12,8 @@ def test_cpu_chunk_is_the_kernels_default():
     # 2^23 logits, as csrc/linear_cross_entropy.h chose before: CPU speed unchanged
     assert default_chunk_rows(49152, torch.device("cpu"), torch.float32) == (1 << 23) // 49152
     assert default_chunk_rows(10**8, "cpu", torch.bfloat16) == 1
+    # with gradients, 2^25: the weight gradient's GEMM needs the rows (docs/benchmarks.md)
+    assert default_chunk_rows(49152, "cpu", torch.float32, grad=True) == (1 << 25) // 49152 == 682
 
 
 @pytest.mark.parametrize("vocab,dtype,rows", [
@@ -46,7 +48,7 @@ def test_default_chunk_gives_the_reference_loss_on_cpu(monkeypatch):
 
     monkeypatch.setattr(cross_entropy, "default_chunk_rows", spy)
     got = linear_cross_entropy(h, w, t)
-    assert asked == [(vocab, h.device, torch.float32, rule)]  # the rule, for this vocabulary, device and dtype
+    assert asked == [(vocab, h.device, torch.float32, False, rule)]  # the rule, for this vocabulary, device and dtype
     monkeypatch.undo()
     torch.testing.assert_close(got.double(), reference.linear_cross_entropy(h, w, t), rtol=1e-5, atol=1e-4)
     assert got[::7].eq(0).all() and got.gt(0).sum() == rows - len(range(0, rows, 7))

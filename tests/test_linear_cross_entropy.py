@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adept_ext import reference
-from adept_ext.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_backward
+from adept_ext.ops import (cross_entropy, linear_cross_entropy, linear_cross_entropy_backward,
+                           linear_cross_entropy_sum)
 from conftest import cuda_only
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -480,3 +481,85 @@ def test_every_weight_grad_path_gives_the_gradient(device, dtype, monkeypatch):
         plain = torch.autograd.grad(F.cross_entropy(hidden @ w.T, targets, reduction="none"), w, grad_loss.to(dtype))
         err, err_torch = (gw.double() - exact).abs().max(), (plain[0].double() - exact).abs().max()
         assert err <= 2 * err_torch + 1e-5, (path, err, err_torch)
+
+
+# linear_cross_entropy_sum: the same losses summed, the gradients computed in the forward.
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,h,v,chunk", [(1, 8, 5, None), (37, 64, 1000, 7), (50, 24, 301, 1), (0, 8, 20, None)])
+def test_sum_equals_the_rows_and_its_gradients_the_reference(device, dtype, n, h, v, chunk):
+    hidden, weight, targets = make(n, h, v, device, dtype, ignore_every=5)
+    count = max(int((targets != -100).sum()), 1)
+    hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    total = linear_cross_entropy_sum(hs, ws, targets, chunk_rows=chunk)
+    assert total.dtype == torch.float32 and total.shape == ()
+    assert torch.equal(total.detach(), linear_cross_entropy(hidden, weight, targets, chunk_rows=chunk).sum())
+    (total / count).backward()
+    grad_loss = torch.full((n,), 1 / count, device=device)
+    exact = reference_grads(hidden, weight, targets, grad_loss)
+    _, plain = ours_and_plain_torch_grads(hidden, weight, targets, grad_loss)
+    for got, torch_got, ref in zip((hs.grad, ws.grad), plain, exact):
+        assert got.dtype == dtype and got.shape == ref.shape
+        if not got.numel():
+            continue
+        err = (got.double() - ref).abs().max()
+        if dtype == torch.float32:
+            assert err <= 2e-5 * ref.abs().max() + 1e-7, err
+        else:
+            assert err <= 2 * (torch_got.double() - ref).abs().max() + 1e-5, err
+
+
+def test_sum_computes_only_the_gradients_needed(monkeypatch):
+    hidden, weight, targets = make(64, 4, 500, "cpu", ignore_every=5)
+    flags, real = [], cross_entropy.linear_cross_entropy_sum_op
+    monkeypatch.setattr(cross_entropy, "linear_cross_entropy_sum_op",
+                        lambda *args: flags.append(args[-2:]) or real(*args))
+    for requires in ((False, False), (True, False), (False, True), (True, True)):
+        h, w = hidden.clone().requires_grad_(requires[0]), weight.clone().requires_grad_(requires[1])
+        total = linear_cross_entropy_sum(h, w, targets, chunk_rows=8)
+        if any(requires):
+            total.backward()
+        assert (h.grad is not None) == requires[0] and (w.grad is not None) == requires[1]
+        with torch.no_grad():
+            assert torch.equal(linear_cross_entropy_sum(h, w, targets), linear_cross_entropy(h, w, targets).sum())
+    assert flags == [(False, False), (False, False), (True, False), (False, False), (False, True), (False, False),
+                     (True, True), (False, False)]
+    for need in ((False, False), (True, True)):  # one chunk of logits at a time ([V, H] is 2000 here)
+        with LargestTensor() as mode:
+            cross_entropy.linear_cross_entropy_sum_forward(hidden, weight, targets, -100, 8, *need)
+        assert mode.numel == 8 * 500
+
+
+def test_sum_opcheck_compile_and_autocast(device):
+    hidden, weight, targets = make(12, 8, 20, device, ignore_every=5)
+    for need in ((True, True), (False, True), (False, False)):
+        torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy_sum.default,
+                              (hidden, weight, targets, -100, 5, *need))
+    torch.library.opcheck(torch.ops.adept_ext.linear_cross_entropy_rows.default, (hidden @ weight.T, targets, -100))
+
+    @torch.compile(fullgraph=True, backend="aot_eager", dynamic=True)
+    def mean_loss(h, w, t):
+        return linear_cross_entropy_sum(h, w, t, chunk_rows=5) / 12
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    mean_loss(h, w, targets).backward()
+    rh, rw = reference_grads(hidden, weight, targets, torch.full((12,), 1 / 12, device=device))
+    torch.testing.assert_close(h.grad.double(), rh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad.double(), rw, rtol=1e-5, atol=1e-7)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        total = linear_cross_entropy_sum(h, w, targets)
+    total.backward()
+    bh, bw = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    by_hand = linear_cross_entropy_sum(bh, bw, targets)
+    by_hand.backward()
+    assert torch.equal(total, by_hand) and h.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad, bh.grad.float(), rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, bw.grad.float(), rtol=0, atol=0)
+
+
+def test_sum_refuses_a_double_backward():
+    hidden, weight, targets = make(5, 4, 6, "cpu")
+    h = hidden.requires_grad_()
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(linear_cross_entropy_sum(h, weight, targets), h, create_graph=True)

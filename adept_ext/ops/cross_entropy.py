@@ -1,28 +1,65 @@
 """`linear_cross_entropy`: per-row cross-entropy of hidden @ weight.T without materialising the
 logits, forward and backward (docs/methods.md §1.1)."""
 import functools
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from .checks import SUPPORTED_DTYPES, check_device_arch
 
 # linear_cross_entropy's default chunking bounds the logits of one chunk, the GEMM's output.
-# CPU: 2^23 logits (32 MB in float32; the kernel's own default, sized for 2 cores' caches).
+# CPU: 2^23 logits (32 MB in float32; the kernel's own default, sized for 2 cores' caches); 2^25 when
+# gradients are computed, whose weight-gradient GEMM (dᵀh) has the chunk's rows as its inner
+# dimension: at V = 49152, H = 576 on 2 cores the gradient loop ran 5.07 s at 170 rows (2^23) and
+# 2.23 s at 682 (2^25), as fast as plain torch's unchunked GEMMs (tools/bench.py linear_ce).
 # GPU: 256 MiB of logits in the GEMM's dtype and at least 1024 rows: a 2^23-logit chunk is 65 rows
 # at V = 128k, which made every GEMM tiny on an H200 (43 ms vs 8.3 ms at 1024 rows, issue 11).
 CPU_CHUNK_LOGITS = 1 << 23
+CPU_GRAD_CHUNK_LOGITS = 1 << 25
 GPU_CHUNK_BYTES = 256 << 20
 GPU_MIN_CHUNK_ROWS = 1024
 
 
-def default_chunk_rows(vocab: int, device: torch.device, dtype: torch.dtype) -> int:
-    """Rows per chunk that `linear_cross_entropy` uses when `chunk_rows` is None (see above)."""
+def default_chunk_rows(vocab: int, device: torch.device, dtype: torch.dtype, grad: bool = False) -> int:
+    """Rows per chunk that `linear_cross_entropy` uses when `chunk_rows` is None (see above);
+    `grad`: the call computes gradients."""
     vocab = max(int(vocab), 1)
     if torch.device(device).type == "cpu":
-        return max(1, CPU_CHUNK_LOGITS // vocab)
+        return max(1, (CPU_GRAD_CHUNK_LOGITS if grad else CPU_CHUNK_LOGITS) // vocab)
     rows = GPU_CHUNK_BYTES // (vocab * dtype.itemsize)
     return max(GPU_MIN_CHUNK_ROWS, rows // 128 * 128)
+
+
+def _check_args(name: str, hidden, weight, targets, chunk_rows) -> torch.dtype:
+    """The wrappers' argument checks (ValueError/TypeError); returns the dtype the GEMMs run in."""
+    for label, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {label} is a {type(t).__name__}, expected a torch.Tensor")
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(
+            f"{name}: expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: hidden has {hidden.shape[1]} features but weight has {weight.shape[1]}")
+    if targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{name}: {hidden.shape[0]} hidden rows but {targets.shape[0]} targets")
+    autocast = torch.is_autocast_enabled(hidden.device.type)  # both are cast to the autocast dtype
+    if hidden.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES or \
+            (weight.dtype != hidden.dtype and not autocast):
+        raise TypeError(f"{name}: hidden and weight must share a dtype of float32/bfloat16/float16 (or run "
+                        f"under autocast); got {hidden.dtype} and {weight.dtype}")
+    if targets.dtype != torch.int64:
+        raise TypeError(f"{name}: targets must be int64, got {targets.dtype}")
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(f"{name}: hidden, weight and targets must be on one device; got "
+                         f"{hidden.device}, {weight.device}, {targets.device}")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"{name}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    if weight.shape[0] == 0 and hidden.shape[0] > 0:
+        raise ValueError(f"{name}: weight has no rows (vocabulary of size 0)")
+    check_device_arch(hidden.device)
+    return torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
 
 
 def linear_cross_entropy(
@@ -48,40 +85,13 @@ def linear_cross_entropy(
     an out-of-range target is a ValueError naming its index, on CUDA a device-side assert, which
     leaves the CUDA context unusable — the runners validate targets where they build batches.
     """
-    name = "linear_cross_entropy"
-    for label, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {label} is a {type(t).__name__}, expected a torch.Tensor")
-    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
-        raise ValueError(
-            f"{name}: expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
-        )
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"{name}: hidden has {hidden.shape[1]} features but weight has {weight.shape[1]}")
-    if targets.shape[0] != hidden.shape[0]:
-        raise ValueError(f"{name}: {hidden.shape[0]} hidden rows but {targets.shape[0]} targets")
-    autocast = torch.is_autocast_enabled(hidden.device.type)  # both are cast to the autocast dtype (registration)
-    if hidden.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES or \
-            (weight.dtype != hidden.dtype and not autocast):
-        raise TypeError(f"{name}: hidden and weight must share a dtype of float32/bfloat16/float16 (or run "
-                        f"under autocast); got {hidden.dtype} and {weight.dtype}")
-    if targets.dtype != torch.int64:
-        raise TypeError(f"{name}: targets must be int64, got {targets.dtype}")
-    if not (hidden.device == weight.device == targets.device):
-        raise ValueError(f"{name}: hidden, weight and targets must be on one device; got "
-                         f"{hidden.device}, {weight.device}, {targets.device}")
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
-        raise ValueError(f"{name}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    gemm_dtype = _check_args("linear_cross_entropy", hidden, weight, targets, chunk_rows)
     if weight.shape[0] == 0:
-        if hidden.shape[0] == 0:
-            return torch.zeros(0, dtype=torch.float32, device=hidden.device)
-        raise ValueError(f"{name}: weight has no rows (vocabulary of size 0)")
-    check_device_arch(hidden.device)
-    gemm_dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
+        return torch.zeros(0, dtype=torch.float32, device=hidden.device)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, _ = torch.ops.adept_ext.linear_cross_entropy.default(
         hidden, weight, targets, ignore_index,
-        chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, gemm_dtype))
+        chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, gemm_dtype, grad))
     return loss
 
 
@@ -127,33 +137,46 @@ def _accumulate_weight_grad(path: str, grad_weight: torch.Tensor, d: torch.Tenso
         grad_weight.add_(d.T @ h)
 
 
+def _fused_chunks(hidden, weight, targets, ignore_index: int, chunk: int, need_hidden: bool, need_weight: bool,
+                  row_stats: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk loop of the backward and of `linear_cross_entropy_sum`: per chunk of rows, the
+    logits z = h Wᵀ in the inputs' dtype; `row_stats(rows, z)` gives each row's float32 (lse, g);
+    then one kernel turns z in place into d = g·(exp(z − lse) − onehot(t)) (0 at ignored rows), and
+    grad_hidden = d W, grad_weight += dᵀ h in float32 (`weight_grad_path`). Returns (grad_hidden in
+    the inputs' dtype, grad_weight in float32); one that is not needed is an empty tensor."""
+    grad_hidden = hidden.new_empty(hidden.shape if need_hidden else (0,))
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight \
+        else weight.new_empty(0)
+    path = weight_grad_path(hidden.device.type, hidden.dtype)
+    for r0 in range(0, hidden.shape[0], chunk):
+        rows = slice(r0, r0 + chunk)
+        h = hidden[rows]
+        d = h @ weight.T
+        lse, scale = row_stats(rows, d)
+        if not (need_hidden or need_weight):
+            continue
+        torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(d, targets[rows], lse, scale, ignore_index)
+        if need_hidden:
+            torch.mm(d, weight, out=grad_hidden[rows])
+        if need_weight:
+            _accumulate_weight_grad(path, grad_weight, d, h)
+    return grad_hidden, grad_weight
+
+
 def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                   targets: torch.Tensor, lse: torch.Tensor, ignore_index: int, chunk_rows: int,
                                   need_hidden: bool, need_weight: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of Σ_i grad_loss_i · loss_i, chunk_rows rows at a time (0: `default_chunk_rows`).
 
-    lse: float32 [N], the forward's per-row logsumexp. Per chunk the logits z = h Wᵀ are recomputed
-    in the inputs' dtype and turned in place, in one kernel, into d = g·(exp(z − lse) − onehot(t))
-    (0 at ignored rows); then grad_hidden = d W and grad_weight = Σ_chunks dᵀ h, summed in float32
-    (`weight_grad_path`). Returns (grad_hidden, grad_weight) in the inputs' dtype; one that is not
-    needed is an empty tensor. Peak extra memory O(chunk_rows × V) plus the float32 weight gradient.
+    lse: float32 [N], the forward's per-row logsumexp. Each chunk's logits are recomputed and turned
+    into their gradient in one pass (`_fused_chunks`). Returns (grad_hidden, grad_weight) in the
+    inputs' dtype; one that is not needed is an empty tensor. Peak extra memory O(chunk_rows × V)
+    plus the float32 weight gradient.
     """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    chunk = chunk_rows or default_chunk_rows(vocab, hidden.device, hidden.dtype)
-    scale, targets, lse = grad_loss.float().contiguous(), targets.contiguous(), lse.contiguous()
-    grad_hidden = hidden.new_empty(hidden.shape if need_hidden else (0,))
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight \
-        else weight.new_empty(0)
-    path = weight_grad_path(hidden.device.type, hidden.dtype)
-    for r0 in range(0, n, chunk):
-        h = hidden[r0:r0 + chunk]
-        d = h @ weight.T
-        torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(
-            d, targets[r0:r0 + chunk], lse[r0:r0 + chunk], scale[r0:r0 + chunk], ignore_index)
-        if need_hidden:
-            torch.mm(d, weight, out=grad_hidden[r0:r0 + chunk])
-        if need_weight:
-            _accumulate_weight_grad(path, grad_weight, d, h)
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, hidden.dtype, grad=True)
+    scale, lse = grad_loss.float().contiguous(), lse.contiguous()
+    grad_hidden, grad_weight = _fused_chunks(hidden, weight, targets.contiguous(), ignore_index, chunk, need_hidden,
+                                             need_weight, lambda rows, logits: (lse[rows], scale[rows]))
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
@@ -161,3 +184,57 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
 # (ops/registration.py registers it and the forward's autograd formula).
 linear_cross_entropy_backward_op = torch.library.custom_op(
     "adept_ext::linear_cross_entropy_backward", linear_cross_entropy_backward, mutates_args=())
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Σ_i loss_i of `linear_cross_entropy` (float32 scalar; the same per-row losses, summed in the
+    same order), with the gradients computed during the forward, as Liger's fused loss does (docs/methods.md §1.1).
+
+    When grad mode is on and hidden or weight requires grad, each chunk's logits become their
+    gradient right after their loss (`_fused_chunks` with g = 1), and the backward only scales the
+    stored gradients by the incoming scalar: three GEMMs of N × V × H per step instead of the
+    four of `linear_cross_entropy` (which recomputes the logits), for grad_hidden [N, H] and the
+    float32 weight gradient [V, H] held from the forward to the backward. For a loss that is a sum
+    or a mean of the rows (divide the result); per-row weights need `linear_cross_entropy`. Under
+    autocast hidden and weight are cast to the autocast dtype first. Raises as `linear_cross_entropy`.
+    """
+    gemm_dtype = _check_args("linear_cross_entropy_sum", hidden, weight, targets, chunk_rows)
+    if weight.shape[0] == 0:
+        return torch.zeros((), dtype=torch.float32, device=hidden.device)
+    if gemm_dtype != hidden.dtype or gemm_dtype != weight.dtype:  # autocast, as F.linear
+        hidden, weight = hidden.to(gemm_dtype), weight.to(gemm_dtype)
+    need_hidden = torch.is_grad_enabled() and hidden.requires_grad
+    need_weight = torch.is_grad_enabled() and weight.requires_grad
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0], hidden.device, gemm_dtype, need_hidden or need_weight)
+    total, _, _ = linear_cross_entropy_sum_op(hidden, weight, targets, ignore_index, chunk, need_hidden, need_weight)
+    return total
+
+
+def linear_cross_entropy_sum_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                     ignore_index: int, chunk_rows: int, need_hidden: bool, need_weight: bool
+                                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Σ_i loss_i, ∂/∂hidden, ∂/∂weight in float32) of `linear_cross_entropy_sum`, one pass over the
+    chunks; a gradient that is not needed is an empty tensor."""
+    targets = targets.contiguous()
+    losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    ones = torch.ones(min(chunk_rows, hidden.shape[0]), dtype=torch.float32, device=hidden.device)
+
+    def row_stats(rows, logits):
+        losses[rows], lse = torch.ops.adept_ext.linear_cross_entropy_rows.default(logits, targets[rows],
+                                                                                  ignore_index)
+        return lse, ones[:logits.shape[0]]
+
+    grad_hidden, grad_weight = _fused_chunks(hidden, weight, targets, ignore_index, chunk_rows, need_hidden,
+                                             need_weight, row_stats)
+    return losses.sum(), grad_hidden, grad_weight
+
+
+# An op of its own (traced as one node; ops/registration.py registers its fake and autograd).
+linear_cross_entropy_sum_op = torch.library.custom_op(
+    "adept_ext::linear_cross_entropy_sum", linear_cross_entropy_sum_forward, mutates_args=())

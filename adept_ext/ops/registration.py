@@ -5,7 +5,7 @@ for the ops that have none); and linear_cross_entropy's autocast behaviour. Impo
 import torch
 
 from . import torch_internals
-from .cross_entropy import linear_cross_entropy_backward_op
+from .cross_entropy import linear_cross_entropy_backward_op, linear_cross_entropy_sum_op
 
 _LIB = torch.library.Library("adept_ext", "IMPL")
 
@@ -62,6 +62,18 @@ def _linear_cross_entropy_grad_logits_fake(logits, targets, lse, grad_loss, igno
     return None
 
 
+@torch.library.register_fake("adept_ext::linear_cross_entropy_rows")
+def _linear_cross_entropy_rows_fake(logits, targets, ignore_index):
+    n = logits.shape[0]
+    return logits.new_empty((n,), dtype=torch.float32), logits.new_empty((n,), dtype=torch.float32)
+
+
+@linear_cross_entropy_sum_op.register_fake
+def _linear_cross_entropy_sum_fake(hidden, weight, targets, ignore_index, chunk_rows, need_hidden, need_weight):
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape if need_hidden else (0,)),
+            weight.new_empty(weight.shape if need_weight else (0,), dtype=torch.float32))
+
+
 @linear_cross_entropy_backward_op.register_fake
 def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, targets, lse, ignore_index, chunk_rows,
                                         need_hidden, need_weight):
@@ -90,6 +102,31 @@ def _linear_cross_entropy_grad(ctx, grad_loss, grad_lse):
 
 torch.library.register_autograd("adept_ext::linear_cross_entropy", _linear_cross_entropy_grad,
                                 setup_context=_linear_cross_entropy_setup_context)
+
+
+# linear_cross_entropy_sum's autograd: the gradients were computed in the forward (for a loss of 1);
+# the backward scales them by the incoming scalar.
+
+def _linear_cross_entropy_sum_setup_context(ctx, inputs, output):
+    hidden, weight = inputs[:2]
+    _, grad_hidden, grad_weight = output
+    ctx.mark_non_differentiable(grad_hidden, grad_weight)
+    ctx.save_for_backward(grad_hidden, grad_weight)
+    ctx.dtype = weight.dtype
+
+
+def _linear_cross_entropy_sum_grad(ctx, grad_total, *unused):
+    if torch.is_grad_enabled():  # create_graph=True: the stored gradients are constants
+        raise RuntimeError("linear_cross_entropy_sum is not twice differentiable (its gradients are computed "
+                           "in the forward); use linear_cross_entropy(...).sum() for a double backward")
+    grad_hidden, grad_weight = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    return ((grad_hidden * grad_total.to(grad_hidden.dtype) if need_hidden else None),
+            ((grad_weight * grad_total).to(ctx.dtype) if need_weight else None), None, None, None, None, None)
+
+
+linear_cross_entropy_sum_op.register_autograd(_linear_cross_entropy_sum_grad,
+                                              setup_context=_linear_cross_entropy_sum_setup_context)
 
 
 def _register_linear_cross_entropy_autocast(device_type: str) -> None:

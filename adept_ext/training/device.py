@@ -71,7 +71,8 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
         per_token = c.num_hidden_layers * layer + logits
     activations = cfg.batch_size * cfg.block_len * per_token // (2 if bf16 else 1)
     if fused:
-        activations += 8 * c.vocab_size * default_chunk_rows(c.vocab_size, device or device_for(cfg), torch.float32)
+        activations += 8 * c.vocab_size * default_chunk_rows(c.vocab_size, device or device_for(cfg), torch.float32,
+                                                                 grad=True)
     return {"weights": weights, "optimizer": optimizer, "activations": activations}
 
 

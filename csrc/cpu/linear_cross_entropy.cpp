@@ -89,6 +89,12 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_cpu(const at::Tensor& hi
   return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_rows, row_loss_cpu);
 }
 
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& targets,
+                                                                 int64_t ignore_index) {
+  check_targets(targets, ignore_index, logits.size(1));
+  return logits_cross_entropy(logits, targets, ignore_index, row_loss_cpu);
+}
+
 // Row r of z (V logits) becomes d = g_r·(exp(z − lse_r) − onehot(t_r)) in one pass, computed in
 // float32 and stored in T; the target's entry as g·expm1(z_t − lse) (no cancellation when p_t ≈ 1);
 // an ignored row becomes 0.
@@ -134,6 +140,7 @@ void grad_logits_cpu(const at::Tensor& logits, const at::Tensor& targets, const 
 
 TORCH_LIBRARY_IMPL(adept_ext, CPU, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_cpu);
+  m.impl("linear_cross_entropy_rows", &linear_cross_entropy_rows_cpu);
   m.impl("linear_cross_entropy_grad_logits_", &grad_logits_cpu);
 }
 

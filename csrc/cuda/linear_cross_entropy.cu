@@ -157,6 +157,12 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_cuda(const at::Tensor& h
   return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_rows, row_loss_cuda);
 }
 
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_rows_cuda(const at::Tensor& logits, const at::Tensor& targets,
+                                                                  int64_t ignore_index) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  return logits_cross_entropy(logits, targets, ignore_index, row_loss_cuda);
+}
+
 // d = g·exp(x − l), except at the target: g·expm1(x − l) (no cancellation when p_t ≈ 1).
 __device__ __forceinline__ float grad_logit(float x, int64_t j, int64_t t, float l, float g) {
   return j == t ? g * expm1f(x - l) : g * expf(x - l);
@@ -232,6 +238,7 @@ void grad_logits_cuda(const at::Tensor& logits, const at::Tensor& targets, const
 
 TORCH_LIBRARY_IMPL(adept_ext, CUDA, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_cuda);
+  m.impl("linear_cross_entropy_rows", &linear_cross_entropy_rows_cuda);
   m.impl("linear_cross_entropy_grad_logits_", &grad_logits_cuda);
 }
 
