@@ -43,6 +43,19 @@ def median_time(fn, device, repeats, warmup=2):
     return statistics.median(timed(fn, device)[1] for _ in range(repeats))
 
 
+def interleaved_median_times(fns, device, repeats, warmup=1):
+    """{name: median wall time of fn()} of a dict of fns called in turn (A, B, A, B, ...), so that
+    a slow phase of a shared machine hits each alike; `warmup` untimed rounds first."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, device)[1])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 # ---------------------------------------------------------------- peak memory
 def measure_peak_mb(fn, device):
     """(fn(), the peak extra memory of the call in MB), in this process: on a GPU the CUDA

@@ -1,6 +1,6 @@
 """Per-unit learning rates: an AdamW step with one param group against per-unit groups with
-DecoupledLR (torch AdamW and GroupedAdamW), and the unit-importance recompute (the fused op
-against plain per-tensor torch)."""
+DecoupledLR (torch AdamW and GroupedAdamW), all three on the gradients of one backward, and the
+unit-importance recompute (the fused op against plain per-tensor torch)."""
 import copy
 import functools
 import os
@@ -24,6 +24,41 @@ def plain_recompute(model, units, batches, autocast_dtype=None):
         for i, (p, g) in enumerate(zip(tensors, grads)):
             totals[i] += (p.detach() * g).abs().mean().item()
     return [t / len(batches) for t in totals]
+
+
+def forward_backward(model, batch, device, autocast=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+        loss = model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss
+    loss.backward()
+
+
+def same_gradient_steps(model, steppers, batches, device, autocast=None, warmup=2):
+    """Step every optimizer of `steppers` (name -> (a copy of `model`, an optimizer of it)) on the
+    gradients of ONE forward+backward per batch, `model`'s, copied into the parameters of the same
+    name: optimizers compared on them see the same gradients whatever the backward's determinism
+    (SDPA's is not deterministic on CUDA). The seconds after `warmup` batches:
+    {"forward_backward": [...], name: [its optimizer's step, ...]}."""
+    times = {"forward_backward": [], **{name: [] for name in steppers}}
+    for i, batch in enumerate(batches):
+        seconds = {"forward_backward": timed(functools.partial(forward_backward, model, batch, device, autocast),
+                                             device)[1]}
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        for name, (target, opt) in steppers.items():
+            for n, p in target.named_parameters():
+                if n in grads:
+                    p.grad = grads[n].clone()
+            seconds[name] = timed(opt.step, device)[1]
+        if i >= warmup:
+            for name, s in seconds.items():
+                times[name].append(s)
+    return times
+
+
+@torch.no_grad()
+def max_abs_diff(model, other):
+    """The largest |difference| between the trainable weights of two copies of a model."""
+    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), other.parameters()) if p.requires_grad)
 
 
 def lr_setup(args, device):
@@ -74,26 +109,18 @@ def run(args, device):
     grouped_opt = GroupedAdamW(param_groups(grouped_model, 1e-4, weight_decay=0.01))
     importance = UnitImportance(ours_model, probe)
     decoupled = DecoupledLR(ours_opt, importance, every=10**9, autocast_dtype=autocast)  # no recompute in the steps
-    DecoupledLR(grouped_opt, UnitImportance(grouped_model, probe), every=10**9, autocast_dtype=autocast)
+    # The same rates: the scores of a recompute on a GPU may differ in their last bits.
+    DecoupledLR(grouped_opt, UnitImportance(grouped_model, probe), every=10**9,
+                autocast_dtype=autocast).load_state_dict(decoupled.state_dict())
 
-    def step(m, opt, batch):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            loss = m(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss
-        loss.backward()
-        opt.step()
-
-    times = {"plain": [], "decoupled": [], "grouped": []}
-    for i, batch in enumerate(train_batches):  # interleaved, so that machine noise hits all alike
-        for name, m, opt in (("plain", plain_model, plain_opt), ("decoupled", ours_model, ours_opt),
-                             ("grouped", grouped_model, grouped_opt)):
-            seconds = timed(functools.partial(step, m, opt, batch), device)[1]
-            if i >= 2:  # warm-up
-                times[name].append(seconds)
-    plain_s, ours_s = statistics.median(times["plain"]), statistics.median(times["decoupled"])
-    grouped_s = statistics.median(times["grouped"])
-    grouped_equal = all(torch.equal(a, b) for a, b in zip(ours_model.parameters(), grouped_model.parameters()))
-    assert grouped_equal, "GroupedAdamW and AdamW trained different weights"
+    # One forward+backward per batch (ours_model's), its gradients copied into the other two models.
+    times = same_gradient_steps(ours_model, {"plain": (plain_model, plain_opt), "decoupled": (ours_model, ours_opt),
+                                             "grouped": (grouped_model, grouped_opt)},
+                                train_batches, device, autocast)
+    fb = times.pop("forward_backward")
+    step_s = {name: statistics.median(f + s for f, s in zip(fb, t)) for name, t in times.items()}
+    plain_s, ours_s, grouped_s = step_s["plain"], step_s["decoupled"], step_s["grouped"]
+    grouped_diff = max_abs_diff(ours_model, grouped_model)
     del plain_model, plain_opt, grouped_model, grouped_opt
 
     repeats = 1 if args.quick else 3
@@ -109,7 +136,9 @@ def run(args, device):
         "autocast": str(autocast).replace("torch.", "") if autocast else None,
         "plain_step_s": plain_s, "decoupled_step_s": ours_s, "adamw_groups_step_overhead": ours_s / plain_s - 1,
         "grouped_step_s": grouped_s, "step_overhead": grouped_s / plain_s - 1,
-        "grouped_weights_equal_adamw": grouped_equal,
+        "forward_backward_s": statistics.median(fb),
+        "optimizer_step_s": {name: statistics.median(t) for name, t in times.items()},
+        "grouped_max_abs_diff_vs_adamw": grouped_diff,
         "recompute_fused_s": fused_recompute, "recompute_plain_s": plain_recompute_s,
         "recompute_speedup": plain_recompute_s / fused_recompute,
     }
@@ -139,7 +168,9 @@ def run(args, device):
     print(f"step: one group {plain_s * 1e3:.0f} ms; per-unit groups with DecoupledLR: torch AdamW "
           f"{ours_s * 1e3:.0f} ms "
           f"({results['adamw_groups_step_overhead'] * 100:+.1f}%), GroupedAdamW {grouped_s * 1e3:.0f} ms "
-          f"({results['step_overhead'] * 100:+.1f}%; same weights: {grouped_equal})")
+          f"({results['step_overhead'] * 100:+.1f}%), each with the one forward+backward "
+          f"({results['forward_backward_s'] * 1e3:.0f} ms); the largest difference of GroupedAdamW's weights from "
+          f"AdamW's: {grouped_diff:.3g}")
     print(f"recompute on the probe batches: fused {fused_recompute:.2f} s, plain per-tensor {plain_recompute_s:.2f} s "
           f"-> speedup {results['recompute_speedup']:.2f}x")
     if autocast:
@@ -163,6 +194,12 @@ def rows(results):
            row("adamw_per_unit_groups", "step_overhead", results["adamw_groups_step_overhead"] * 100, "%", **fields),
            row("grouped_adamw", "step_time", results["grouped_step_s"] * 1e3, "ms", **fields),
            row("grouped_adamw", "step_overhead", results["step_overhead"] * 100, "%", **fields),
+           row("grouped_adamw", "max_abs_diff_weights_vs_adamw", results["grouped_max_abs_diff_vs_adamw"], "",
+               **fields),
+           row("forward_backward", "time", results["forward_backward_s"] * 1e3, "ms", **fields),
+           *(row(provider, "optimizer_step_time", results["optimizer_step_s"][name] * 1e3, "ms", **fields)
+             for name, provider in (("plain", "adamw_one_group"), ("decoupled", "adamw_per_unit_groups"),
+                                    ("grouped", "grouped_adamw"))),
            row("adept_ext", "recompute_time", results["recompute_fused_s"], "s", **fields),
            row("torch_per_tensor", "recompute_time", results["recompute_plain_s"], "s", **fields),
            row("adept_ext", "recompute_speedup", results["recompute_speedup"], "x", **fields)]
