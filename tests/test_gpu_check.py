@@ -1,64 +1,158 @@
-"""tools/gpu_check.sh's logic without a GPU (DRY_RUN) and tools/gpu_summary.py's merge."""
+"""tools/gpu_check.sh without a GPU: its plan (DRY_RUN), every step's imports and argument parsing
+with a Python like the device's (EMULATE), and tools/gpu_summary.py's merge."""
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
+import tarfile
 
 import pytest
+
+import adept_ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_summary  # noqa: E402
 
-STEPS = ["build", "import", "tests", "memcheck", "racecheck", "bench_linear_ce_large", "bench_probe_large",
-         "bench_importance_small", "bench_importance_large", "bench_projection_small", "bench_projection_large",
-         "bench_lr_large", "bench_train_step_large"]
+CALL1 = ["build", "import", "tests", "memcheck", "racecheck"]
+CALL2 = ["build", "import", "peers", "bench_linear_ce_large", "bench_train_step_large", "bench_probe_large",
+         "bench_importance_large", "bench_projection_large", "bench_lr_large"]
+BOTH = CALL1 + CALL2[2:]
+SETTINGS = ("PYTHONPATH", "PYTHON", "DRY_RUN", "EMULATE", "STEPS", "CALL", "BUDGET_S", "WORK", "WHEELS")
 
 
 def run_script(out, **env):
-    env = {**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", **env}
-    return subprocess.run(["bash", SCRIPT, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    """gpu_check.sh OUT with these settings only (none inherited from the caller's environment)."""
+    env = {**{k: v for k, v in os.environ.items() if k not in SETTINGS}, "PYTHON": sys.executable,
+           "WORK": str(out / "work"), **env}
+    return subprocess.run(["bash", SCRIPT, str(out / "out")], env=env, capture_output=True, text=True, timeout=300)
+
+
+def summary_of(out, label="both"):
+    return json.loads((out / "out" / f"gpu-check-{label}.json").read_text())
 
 
 def test_syntax():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
 
 
-def test_dry_run_plans_every_step_and_writes_one_summary(tmp_path):
-    proc = run_script(tmp_path)
+def test_dry_run_prints_two_calls_within_ten_minutes(tmp_path):
+    proc = run_script(tmp_path, DRY_RUN="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["ok"] and list(summary["steps"]) == STEPS
-    assert summary["machine"]["torch"]
-    assert "--tool memcheck" in (tmp_path / "logs" / "memcheck.log").read_text()
-    assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in (tmp_path / "logs" / "memcheck.log").read_text()
+    text = proc.stdout
+    calls = re.split(r"^call \d: ", text, flags=re.M)[1:]
+    assert len(calls) == 2
+    for n, (call, steps) in enumerate(zip(calls, (CALL1, CALL2)), 1):
+        assert f"returns 2 files (at most 8): gpu-check-call{n}.json gpu-check-call{n}.tar.gz" in call
+        assert re.findall(r"^  (\w+) +\d+ s ", call, flags=re.M) == steps
+    sums = [int(s) for s in re.findall(r"sum of the limits: (\d+) s", text)]
+    assert sum(sums) <= 600 and f"command time in all: {sum(sums)} s of at most 600 s" in text
+    line = {name: next(s for s in text.splitlines() if s.startswith(f"  {name} ")) for name in CALL1}
+    assert "NVCC_APPEND_FLAGS=-lineinfo" in line["build"] and "build_ext --inplace" in line["build"]
+    assert "--continue-on-collection-errors" in line["tests"] and "tests/test_frozen_dtype.py" not in line["tests"]
+    for tool in ("memcheck", "racecheck"):
+        assert f"--tool {tool} --kernel-name kns=adept_ext" in line[tool] and " -x " not in line[tool]
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in line["memcheck"] and "not graph" in line["memcheck"]
+    assert not (tmp_path / "out").exists()  # a plan: nothing run, nothing written
+
+
+@pytest.fixture(scope="module")
+def device_python(tmp_path_factory):
+    """A Python like the device's: this environment's packages (torch, transformers, pytest) through
+    one .pth line naming its site-packages, which adds that folder to sys.path without running the
+    .pth files inside it: adept_ext's editable-install finder among them, so adept_ext is not
+    importable. The compiled extension is where `build_ext --inplace` puts it on the device: in the
+    source tree's adept_ext/ (an editable build puts it there too)."""
+    venv = tmp_path_factory.mktemp("device-venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   text=True).strip()
+    with open(os.path.join(site, "packages.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([python, "-c", "import torch, adept_ext"], cwd=venv, env=env, capture_output=True, text=True)
+    assert "No module named 'adept_ext'" in proc.stderr, "the emulation has adept_ext installed: " + proc.stderr
+    return python
+
+
+def test_every_step_imports_and_parses_its_arguments_as_on_the_device(tmp_path, device_python):
+    # setup.py refuses ADEPT_EXT_CUDA=1 where CUDA kernels cannot be built: emulate the build this machine makes.
+    cuda = "1" if adept_ext.compiled_cuda_arch_list() else "0"
+    proc = run_script(tmp_path, EMULATE="1", PYTHON=device_python, ADEPT_EXT_CUDA=cuda)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr
+    summary = summary_of(tmp_path)
+    assert summary["ok"] and {n: s["status"] for n, s in summary["steps"].items()} == dict.fromkeys(BOTH, "ok")
+    assert summary["machine"]["executable"] == device_python
+    assert summary["machine"]["adept_ext"] == os.path.join(ROOT, "adept_ext", "__init__.py")
+    logs = tmp_path / "work" / "logs"
+    for name in BOTH:
+        if name.startswith("bench_"):
+            assert "imports ok: adept_ext from " + os.path.join(ROOT, "adept_ext") in (logs / f"{name}.log").read_text()
+    for name in ("tests", "memcheck", "racecheck"):  # each selects tests (on a GPU also their [cuda] cases)
+        assert re.search(r"^\d+/\d+ tests collected", (logs / f"{name}.log").read_text(), flags=re.M), name
+    assert sorted(os.listdir(tmp_path / "out")) == ["gpu-check-both.json", "gpu-check-both.tar.gz"]
+    with tarfile.open(tmp_path / "out" / "gpu-check-both.tar.gz") as tar:
+        assert {"./summary.json", "./machine.json", "./steps.tsv", "./logs/tests.log"} <= set(tar.getnames())
 
 
 def test_spent_budget_fails_loudly(tmp_path):
-    proc = run_script(tmp_path, BUDGET_S="0")
+    proc = run_script(tmp_path, EMULATE="1", BUDGET_S="0")
     assert proc.returncode == 1
     assert "FAILED: build (skipped)" in proc.stdout
-    assert json.loads((tmp_path / "summary.json").read_text())["failed_steps"] == ["build"]
+    assert summary_of(tmp_path)["failed_steps"] == ["build"]
 
 
 def test_steps_selects_and_rejects_unknown_names(tmp_path):
-    proc = run_script(tmp_path, STEPS="build bench_probe_large")
+    proc = run_script(tmp_path, EMULATE="1", CALL="2", STEPS="peers", WHEELS=str(tmp_path / "no-wheels"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
-    assert [n for n, s in steps.items() if s["status"] == "ok"] == ["build", "bench_probe_large"]
+    steps = summary_of(tmp_path, "call2")["steps"]
+    assert {n: s["status"] for n, s in steps.items()} == {n: "ok" if n == "peers" else "not requested" for n in CALL2}
+    assert "the peers are not measured" in (tmp_path / "work" / "logs" / "peers.log").read_text()
     assert run_script(tmp_path, STEPS="bulid").returncode == 2
+    assert run_script(tmp_path, CALL="1", STEPS="peers").returncode == 2  # a step of the other call
+    assert run_script(tmp_path, CALL="3").returncode == 2
+
+
+def test_a_sanitizer_that_refuses_the_gpu_is_unsupported_not_failed(tmp_path):
+    """The real path (no EMULATE), with a Python that sees a GPU and a compute-sanitizer that refuses it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "compute-sanitizer").write_text(
+        "#!/bin/sh\necho '========= Error: Target application terminated before first instrumented API call'\n"
+        "exit 255\n")
+    (bin_dir / "python").write_text(f'#!/bin/sh\ncase "$*" in *cuda.is_available*) exit 0 ;; esac\n'
+                                    f'exec {sys.executable} "$@"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    proc = run_script(tmp_path, CALL="1", STEPS="memcheck", PYTHON=str(bin_dir / "python"),
+                      PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "memcheck: UNSUPPORTED here, nothing checked" in proc.stdout
+    summary = summary_of(tmp_path, "call1")
+    assert {n: s["status"] for n, s in summary["steps"].items()} == {
+        n: "unsupported" if n == "memcheck" else "not requested" for n in CALL1}
+
+
+def write_run(tmp_path, steps, logs=(), bench=()):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "steps.tsv").write_text("".join(f"{n}\t{s}\t{rc}\t10\t{n}.log\n" for n, s, rc in steps))
+    for name, text in dict(logs).items():
+        (tmp_path / "logs" / f"{name}.log").write_text(text)
+    for name, result in dict(bench).items():
+        (tmp_path / "bench" / f"{name}.json").write_text(json.dumps(result))
 
 
 def test_summary_reports_a_failed_step_with_its_log_and_the_sanitizer_counts(tmp_path):
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "steps.tsv").write_text("build\tok\t0\t40\tbuild.log\nmemcheck\tfailed\t99\t80\tmemcheck.log\n")
-    (tmp_path / "logs" / "memcheck.log").write_text(
-        "========= Invalid __shared__ read of size 12 bytes\n1 failed, 20 passed in 50s\n"
-        "========= ERROR SUMMARY: 19 errors\n")
     lr = {"lr": {"step_overhead": 0.013, "recompute_autocast_speedup_vs_fp32": 3.8}}
-    (tmp_path / "bench" / "lr_large.json").write_text(json.dumps(lr))
+    write_run(tmp_path, [("build", "ok", 0), ("memcheck", "failed", 99)],
+              logs={"memcheck": "========= Invalid __shared__ read of size 12 bytes\n1 failed, 20 passed in 50s\n"
+                                "========= ERROR SUMMARY: 19 errors\n"},
+              bench={"lr_large": lr})
     assert gpu_summary.main([str(tmp_path)]) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["failed_steps"] == ["memcheck"] and not summary["ok"]
@@ -69,8 +163,55 @@ def test_summary_reports_a_failed_step_with_its_log_and_the_sanitizer_counts(tmp
     assert summary["bench"]["lr_large"] == lr
 
 
+@pytest.mark.parametrize("line, rc", [("========= Error: Target application terminated before first instrumented "
+                                       "API call", 255),
+                                      ("========= Error: Device not supported", 1),
+                                      ("========= compute-sanitizer not found (PATH)", 127)])
+def test_a_sanitizer_that_cannot_check_here_is_unsupported_not_failed(tmp_path, line, rc):
+    write_run(tmp_path, [("tests", "ok", 0), ("memcheck", "failed", rc), ("racecheck", "ok", 0)],
+              logs={"memcheck": f"========= COMPUTE-SANITIZER\n{line}\n",
+                    "racecheck": "3 passed in 9s\n========= RACECHECK SUMMARY: 0 hazards displayed\n"})
+    assert gpu_summary.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] and summary["steps"]["memcheck"]["status"] == "unsupported"
+    assert summary["unsupported_steps"] == {"memcheck": line} and summary["steps"]["racecheck"]["status"] == "ok"
+
+
+def test_errors_found_are_failures_whatever_else_the_sanitizer_says(tmp_path):
+    write_run(tmp_path, [("memcheck", "failed", 99)],
+              logs={"memcheck": "========= Error: Device not supported for some API\n"
+                                "========= ERROR SUMMARY: 2 errors\n"})
+    assert gpu_summary.main([str(tmp_path)]) == 1
+    assert json.loads((tmp_path / "summary.json").read_text())["failed_steps"] == ["memcheck"]
+
+
+def test_summary_reads_configurations_that_recorded_an_error(tmp_path):
+    error = {"error": "RuntimeError: exit code -9"}
+    trainer = {"tokens_per_s": 1000.0, "peak_memory_mb": 9000.0, "tokens_per_s_vs_trainer": 1.0,
+               "peak_memory_vs_trainer": 1.0}
+    forward_backward = {"n": 8192, "h": 2048, "v": 128256,
+                        "providers": {"adept_ext": {"s": 0.1, "peak_mem_mb": 500.0}, "liger_fused_linear_ce": error}}
+    write_run(tmp_path, [("bench_train_step_large", "ok", 0), ("bench_linear_ce_large", "ok", 0)], bench={
+        "train_step_large": {"train_step": {"methods": {"full": {"adept_ext": error, "trainer": trainer,
+                                                                 "trainer_liger": error}}}},
+        "linear_ce_large": {"linear_ce": {"providers": {"adept_ext": {"s": 0.01, "peak_mem_mb": 100.0},
+                                                        "cut_cross_entropy": error},
+                                          "peers_installed": ["cut_cross_entropy"],
+                                          "forward_backward": {"llama-3.2-1b": forward_backward}}},
+        "probe_large": {"probe": ["not", "the", "expected", "shape"]}})
+    assert gpu_summary.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    goals = {k: g["met"] for k, g in summary["goals"].items()}
+    assert goals["26_train_step"] is False and goals["33_train_step"] is None  # ours failed; Liger did not run
+    assert goals["33_linear_ce_fwd_bwd"] is None and goals["3_linear_ce"] is False  # no GEMM fraction: not met
+    assert summary["figures"]["linear_ce"]["forward"]["cut_cross_entropy"] == error
+    assert summary["figures"]["probe"]["unreadable"].startswith("AttributeError")
+
+
 @pytest.mark.parametrize("text", ["", "{not json"])
 def test_summary_survives_a_broken_file(tmp_path, text):
-    (tmp_path / "steps.tsv").write_text("build\tok\t0\t1\tbuild.log\n")
+    write_run(tmp_path, [("build", "ok", 0)])
     (tmp_path / "machine.json").write_text(text)
+    (tmp_path / "logs" / "tests.xml").write_text(text)
     assert gpu_summary.main([str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["tests"]["unreadable"]

@@ -7,6 +7,9 @@ the same data. Medians over repeats, after warm-up. What each measures: docs/ben
         [--size small|large] [--quick] [--json PATH] [--csv PATH] [--device cpu|cuda]
     python tools/bench.py tables [--csv PATH] [--page PATH] [--check]
 
+adept_ext is imported as installed (make setup), or from a source tree built in place
+(python setup.py build_ext --inplace) with PYTHONPATH=<the tree's root>, as tools/gpu_check.sh runs it.
+
 --size small (default) is what 2 CPU cores finish in minutes; --size large is what users run on
 a GPU: 1B-scale tensor lists, random-weight Qwen3-0.6B- and Llama-3.2-1B-shaped models built from
 configs (no downloads), N 8192 x H 2048 x V 128256 for linear_cross_entropy.
@@ -39,6 +42,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--page", metavar="PATH", help="tables: the page to render (default docs/benchmarks.md)")
     parser.add_argument("--check", action="store_true", help="tables: only check that the page is up to date")
+    parser.add_argument("--imports-only", action="store_true",
+                        help="import adept_ext and the benchmark's modules, then exit without measuring (no GPU "
+                             "needed: tools/gpu_check.sh's device emulation)")
     args = parser.parse_args(argv)
     if args.benchmark == "tables":
         from bench import tables
@@ -51,8 +57,6 @@ def main(argv=None):
     import adept_ext
 
     device = torch.device(args.device)
-    if device.type == "cuda" and not (torch.cuda.is_available() and adept_ext.cuda_available()):
-        sys.exit("--device cuda: no GPU, or adept_ext was built without CUDA kernels")
     names = list(NAMES) if args.benchmark == "all" else [args.benchmark]
     if args.size == "large":
         names = [name for name in names if name != "lens"]
@@ -60,8 +64,13 @@ def main(argv=None):
         names = [name for name in names if name not in ("probe_scaling", "corpus")]  # CPU measurements
     if args.size == "large" and args.benchmark == "lens":
         sys.exit("lens has one size (SmolLM2-135M)")
-    results = {"machine": common.machine_info(device, args.size)}
     modules = {name: importlib.import_module(f"bench.{name}") for name in names}
+    if args.imports_only:
+        print(f"imports ok: adept_ext from {os.path.dirname(adept_ext.__file__)}, bench.{', bench.'.join(modules)}")
+        return 0
+    if device.type == "cuda" and not (torch.cuda.is_available() and adept_ext.cuda_available()):
+        sys.exit("--device cuda: no GPU, or adept_ext was built without CUDA kernels")
+    results = {"machine": common.machine_info(device, args.size)}
     for name, module in modules.items():
         results[name] = module.run(args, device)
     if args.json:
