@@ -1,4 +1,6 @@
 """linear_cross_entropy against reference.py (float64 F.cross_entropy of hidden @ weight.T)."""
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -528,6 +530,36 @@ def test_sum_computes_only_the_gradients_needed(monkeypatch):
         with LargestTensor() as mode:
             cross_entropy.linear_cross_entropy_sum_forward(hidden, weight, targets, -100, 8, *need)
         assert mode.numel == 8 * 500
+    with LiveBytes() as live:  # and never two at once: the previous chunk is freed before the next GEMM
+        cross_entropy.linear_cross_entropy_sum_forward(hidden, weight, targets, -100, 8, True, True)
+    chunk, grads = 8 * 500 * 4, (500 * 4 + 64 * 4) * 4
+    assert chunk + grads <= live.peak < 1.5 * chunk + grads, live.peak
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes that tensors created by ops (not views) held at once while the mode was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.storages = 0, 0, set()
+
+    def _freed(self, storage, nbytes):
+        self.storages.discard(storage)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            storage = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()
+            if storage and storage not in self.storages and storage not in inputs:  # not a view, not an out=
+                nbytes = t.untyped_storage().nbytes()
+                self.storages.add(storage)
+                self.live += nbytes
+                weakref.finalize(t, self._freed, storage, nbytes)
+        self.peak = max(self.peak, self.live)
+        return out
 
 
 def test_sum_opcheck_compile_and_autocast(device):
@@ -563,3 +595,14 @@ def test_sum_refuses_a_double_backward():
     h = hidden.requires_grad_()
     with pytest.raises(RuntimeError, match="not twice differentiable"):
         torch.autograd.grad(linear_cross_entropy_sum(h, weight, targets), h, create_graph=True)
+
+
+def test_sum_backward_twice_through_one_graph_raises():
+    # the stored gradients are scaled in place (no second [V, H] at the peak): a retained graph's
+    # second backward must fail loudly, not double the scale
+    hidden, weight, targets = make(6, 4, 9, "cpu")
+    w = weight.clone().requires_grad_()
+    total = linear_cross_entropy_sum(hidden, w, targets) / 3
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        total.backward()

@@ -153,13 +153,13 @@ def _fused_chunks(hidden, weight, targets, ignore_index: int, chunk: int, need_h
         h = hidden[rows]
         d = h @ weight.T
         lse, scale = row_stats(rows, d)
-        if not (need_hidden or need_weight):
-            continue
-        torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(d, targets[rows], lse, scale, ignore_index)
+        if need_hidden or need_weight:
+            torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(d, targets[rows], lse, scale, ignore_index)
         if need_hidden:
             torch.mm(d, weight, out=grad_hidden[rows])
         if need_weight:
             _accumulate_weight_grad(path, grad_weight, d, h)
+        del d  # before the next chunk's GEMM allocates its own: one chunk of logits at a time
     return grad_hidden, grad_weight
 
 

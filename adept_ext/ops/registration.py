@@ -121,8 +121,10 @@ def _linear_cross_entropy_sum_grad(ctx, grad_total, *unused):
                            "in the forward); use linear_cross_entropy(...).sum() for a double backward")
     grad_hidden, grad_weight = ctx.saved_tensors
     need_hidden, need_weight = ctx.needs_input_grad[:2]
-    return ((grad_hidden * grad_total.to(grad_hidden.dtype) if need_hidden else None),
-            ((grad_weight * grad_total).to(ctx.dtype) if need_weight else None), None, None, None, None, None)
+    # scaled in place: no second [V, H] gradient at the peak (a second backward through the same graph,
+    # retain_graph=True, then raises autograd's "modified by an inplace operation" error)
+    return ((grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if need_hidden else None),
+            (grad_weight.mul_(grad_total).to(ctx.dtype) if need_weight else None), None, None, None, None, None)
 
 
 linear_cross_entropy_sum_op.register_autograd(_linear_cross_entropy_sum_grad,
