@@ -78,6 +78,17 @@ TABLES = {
                     ('`method="taylor"`', "taylor")),
         [TIME_S, TIMES_NAIVE, PEAK_MB, col("Spearman vs exact", metric="spearman_vs_exact"),
          col("max rel. diff of variant losses", metric="max_rel_diff_variant_losses")]),
+    "linear_ce_train": table(
+        {**CPU_SMALL, "benchmark": "linear_ce", "dtype": "float32",
+         "shape": "forward+backward, N 2048 x H 576 x V 49152"},
+        "head's forward+backward", by_provider(
+            ("plain torch (`F.linear` + `F.cross_entropy`)", "torch"),
+            ("`ops.linear_cross_entropy_sum` (the training loss: gradients in the forward)", "adept_ext"),
+            ("`linear_cross_entropy(...).sum()` (the backward recomputes the logits)", "adept_ext_per_row")),
+        [col("ms", "ms", metric="time"), col("× torch", "x", metric="time_vs_torch"),
+         col("peak extra MB", "MB", metric="peak_extra_memory"),
+         col("memory × torch", "x", metric="peak_memory_vs_torch"),
+         col("max rel. diff of gradients", metric="max_rel_diff_grads_vs_torch")]),
     "lr_step": table(
         LR, "AdamW step",
         by_provider(("one param group", "adamw_one_group"), ("per-unit groups, torch AdamW", "adamw_per_unit_groups"),
