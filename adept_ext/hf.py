@@ -58,7 +58,7 @@ class MethodCallback(TrainerCallback, ExportableState):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.saved_state is not None:  # restored from a checkpoint by the Trainer (after on_train_begin)
-            self.task.load_state_dict(torch.load(io.BytesIO(base64.b64decode(self.saved_state)), weights_only=False))
+            self.task.load_state_dict(torch.load(io.BytesIO(base64.b64decode(self.saved_state)), weights_only=True))
             self.saved_state = None
 
     def state(self) -> Dict:

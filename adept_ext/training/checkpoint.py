@@ -48,7 +48,7 @@ def read_checkpoint(out: Path) -> Dict:
     """The checkpoint of the run in `out`, for --resume. RunError when it was written by another
     number of processes: which micro-batches each rank takes, and a sharded run's shards, follow
     the world size, so resuming on another one would not continue the same run."""
-    checkpoint = torch.load(out / CHECKPOINT, weights_only=False)
+    checkpoint = torch.load(out / CHECKPOINT, weights_only=True)
     world = parallel.world_size()
     saved = checkpoint.get("world_size", world)  # checkpoints from before the count was recorded: not checked
     if saved != world:
