@@ -4,13 +4,18 @@ token budget. The methods live in `adept_ext.methods` behind one registry; this 
 calls their hooks.
 
 `run(RunConfig(...))` loads the model and both corpora, measures the base model's held-out
-general and domain loss, prepares the method (probe + expansion for ADEPT), trains with AdamW
-(warmup + cosine, gradient accumulation and clipping, bf16 autocast on GPUs that support it),
-evaluates periodically, writes atomic checkpoints (a killed run resumes to the same result),
-and writes the adapted model (plain HF checkpoint), report.json, report.md and PNG plots.
-The pieces shared with the task-sequence runner (`continual.py`) are here too: the options
-both take, evaluation, the training loop, checkpoints and atomic writes.
+general and domain loss, and hands the one task to the training engine (`training.fit_task`:
+the method's `prepare` — probe + expansion for ADEPT —, AdamW with warmup + cosine, gradient
+accumulation and clipping, bf16 autocast where `--bf16` turns it on, atomic checkpoints from
+which a killed run resumes to the same result); it adds the periodic and final held-out
+evaluations and the LayerTracer diagnosis inputs (an `auto` boundary), and writes the adapted
+model (a plain Hugging Face checkpoint), report.json, report.md, the loss curves and the
+method's own plots.
+Under torchrun the ranks train with DistributedDataParallel or FSDP2 and rank 0 writes. What both
+runners share (the options they both take, evaluation, the loop, checkpoints, run directories)
+lives in `adept_ext.training`; the task-sequence runner is `continual.py`.
 """
+import logging
 import json
 import math
 import platform
@@ -18,7 +23,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Collection, Dict, List
 
 import torch
 
@@ -27,46 +32,56 @@ from .errors import InputError, RunError
 from .lens import Diagnosis, diagnose
 from .lens_inputs import context_query_task, fewshot_topic_task
 from .methods import create, method_names
-from .methods.base import REGISTRY
+from .methods.base import option
 from .methods.freeze_deep import DIAGNOSIS_TASKS
 from .lm_loss import loss_path
 from .models import load_model
-from .placement import PLACEMENTS
 from .report import plot_loss_curves
 from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
                        data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
-                       frozen_dtype_for, read_checkpoint, remove_stale_shards, use_bf16)
+                       frozen_dtype_for, read_checkpoint, remove_stale_shards, use_bf16, with_method_options)
 
+logger = logging.getLogger(__name__)
 METHODS = tuple(method_names(single_domain=True))
-LAYER_METHODS = tuple(name for name in METHODS if REGISTRY[name].takes_layers)  # methods that take k / --layers
-PLACEMENT_METHODS = ("adept", "adept_uniform_lr", "adept_no_expand")  # Stage 1 by --placement
 
 
 @dataclass
-class RunConfig(TrainOptions):
-    """Every option of a one-domain run (the embedded default: SmolLM2-135M, BBC News as general
-    corpus, Python docs as domain corpus, sized for a few minutes on 2 CPU cores)."""
+class RunOptions(TrainOptions):
+    """The options of a one-domain run that are the runner's own (the embedded default: SmolLM2-135M,
+    BBC News as general corpus, Python docs as domain corpus, sized for a few minutes on 2 CPU
+    cores); `RunConfig` adds the single-domain methods' options."""
 
-    general: str = "bbc-news"         # general-domain corpus: file, folder, JSONL or built-in name
-    domain: str = "python-docs"       # domain corpus (what the model is adapted to)
-    layers: str = ""                  # explicit layers to expand / train, e.g. "7,14,21,29" (overrides k)
-    placement: str = "importance"     # adept*: where the k layers go (adept_ext.placement.PLACEMENTS)
-    probe_blocks: int = 4             # general blocks used to probe layers and score units (4 and 8 choose
-                                      # the same layers of the embedded model at half the probe's time)
-    eval_every: int = 20              # held-out evaluation every N steps (0 = only at the end)
-    boundary: str = "half"            # freeze_deep: train layers [0, b): half | auto (LayerTracer diagnosis) | N
-    diagnosis_task: str = "bbc-topic" # diagnosis inputs: bbc-topic (few-shot BBC News topics) | context (blocks)
-    diagnosis_queries: int = 8        # composite inputs used by the diagnosis
-    streaming: bool = False           # read the corpora as streams (in corpus order, no cache; large_corpus)
+    general: str = option("bbc-news", help=(
+        "general-domain corpus: text file, folder, JSONL with 'text', or bbc-news / python-docs"))
+    domain: str = option("python-docs", help="domain corpus to adapt to (same forms as --general)")
+    # 4 and 8 probe blocks choose the same layers of the embedded model at half the probe's time
+    probe_blocks: int = option(4, help="general blocks used to probe layers and score units")
+    eval_every: int = option(20, help="held-out evaluation every N steps (0 = only at the end)")
+    diagnosis_task: str = option("bbc-topic", help=(
+        "LayerTracer inputs: bbc-topic (few-shot BBC News topic classification) or context (general blocks, first "
+        "half as context)"))
+    diagnosis_queries: int = option(8, help="composite inputs (queries) of the LayerTracer diagnosis")
+    streaming: bool = option(False, help=(
+        "read the corpora as streams through Hugging Face datasets: corpus order, no cache, only what the run "
+        "consumes is read (for corpora too large to tokenise up front)"))
 
 
-def config_from(overrides: Dict) -> RunConfig:
-    """A checked RunConfig from a dict of options (flags, TOML)."""
+def run_config_class() -> type:
+    """Every option of a one-domain run: the runner's (`RunOptions`) and the single-domain methods'."""
+    return with_method_options(RunOptions)
+
+
+RunConfig = run_config_class()  # the built-in methods' options; a method registered later: run_config_class()
+
+
+def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
+    """A checked RunConfig from a dict of options (flags, TOML); `given`: the options the user gave
+    (an option of another method among them is refused)."""
     if isinstance(overrides.get("layers"), list):  # TOML: layers = [7, 14]
         overrides = {**overrides, "layers": ",".join(map(str, overrides["layers"]))}
     if isinstance(overrides.get("boundary"), int):  # TOML: boundary = 12
         overrides = {**overrides, "boundary": str(overrides["boundary"])}
-    cfg = options_from(RunConfig, overrides)
+    cfg = options_from(run_config_class(), overrides, given=given)
     if cfg.mix_general and cfg.streaming:
         raise RunError("--mix-general draws from the general corpus's shuffled training split, which --streaming "
                        "does not build: drop one of them")
@@ -74,16 +89,8 @@ def config_from(overrides: Dict) -> RunConfig:
         raise RunError(f"eval_every must be >= 0 (0 = only at the end), got {cfg.eval_every}")
     if cfg.diagnosis_queries < 1:
         raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
-    if cfg.boundary not in ("half", "auto") and not cfg.boundary.isdigit():
-        raise RunError(f"boundary must be half, auto or a layer count, got {cfg.boundary!r}")
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
-    if cfg.layers and cfg.method not in LAYER_METHODS:
-        raise RunError(f"--layers applies to {', '.join(LAYER_METHODS)}, not {cfg.method}")
-    if cfg.placement not in PLACEMENTS:
-        raise RunError(f"placement must be one of {', '.join(PLACEMENTS)}, got {cfg.placement!r}")
-    if cfg.placement != "importance" and cfg.method not in PLACEMENT_METHODS:
-        raise RunError(f"--placement applies to {', '.join(PLACEMENT_METHODS)}, not {cfg.method}")
     return cfg
 
 
@@ -149,7 +156,7 @@ def run_diagnosis(model, cfg, corpora, importance=None, progress=True) -> Diagno
         raise RunError(f"diagnosis: {e}") from e
 
 
-def run(cfg: RunConfig, progress: bool = True, log=print) -> Dict:
+def run(cfg: RunConfig, progress: bool = True, log=logger.info) -> Dict:
     """All stages of a run; returns the report (also written to `cfg.out`). Under torchrun
     (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel (or FSDP2 under
     `parallel="fsdp2"`) and rank 0 writes."""

@@ -91,3 +91,16 @@ def test_the_checks_catch_planted_faults(tmp_path, monkeypatch):
         assert DATED.search(words), words
     for words in ("the last layer", "2 × 128 tokens", "a date-free page", "checked"):
         assert not DATED.search(words), words
+
+
+def test_the_cli_option_tables_are_the_declarations():
+    """docs/cli.md's option tables are generated from the options' one declaration (the runners'
+    fields and the methods' config fields): `python tools/write_cli_docs.py` after changing one."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import write_cli_docs
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    text = (ROOT / "docs" / "cli.md").read_text()
+    assert write_cli_docs.BLOCK.findall(text), "docs/cli.md has no generated option table"
+    assert write_cli_docs.written(text) == text, "docs/cli.md is out of date: run python tools/write_cli_docs.py"

@@ -397,3 +397,26 @@ def test_the_private_torch_check_sees_a_planted_use(tmp_path):
     (package / "c.py").write_text("import torch\ntorch._foreach_add_([], 1)\n")
     got = private_torch_uses(package, package / "none.py")
     assert any("a.py:4" in g for g in got) and any("b.py:1" in g for g in got) and not any("c.py" in g for g in got)
+
+
+def prints(root: Path):
+    """(file, line) of every call of print() in the package outside the command's error line."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print" and not (
+                    path.name == "cli.py" and any(k.arg == "file" for k in node.keywords)):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_the_library_logs_through_logging(tmp_path):
+    """Messages go through `logging` (the `adept_ext` loggers; the command shows them): no print() in the
+    package but the command's one error line, and no `print` as a default logger."""
+    root = Path(__file__).resolve().parents[1] / "adept_ext"
+    assert prints(root) == []
+    defaults = [f"{p.relative_to(root.parent)}" for p in root.rglob("*.py") if "= print" in p.read_text()]
+    assert defaults == []
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("def f(log=print):\n    print('x')\n")
+    assert prints(tmp_path / "pkg") == ["pkg/m.py:2"]

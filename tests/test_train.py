@@ -26,7 +26,14 @@ def options(ws, out, **kw):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_runs_and_saves_a_plain_hf_model(workspace, method):
+def test_every_method_runs_and_saves_a_plain_hf_model(workspace, monkeypatch, method):
+    """The run's files and saved model, and what each method does (a method that trains nothing, or
+    whose own part does nothing, fails): every trainable tensor moves and nothing else does, the
+    held-out domain loss falls, and per method its own effect (what trains: every parameter, the
+    copies, the shallow half, the chosen layers, the adapted projections; per-unit rates or one rate)."""
+    from method_spy import TaskSpy, changed_tensors  # the test's own helpers (tests/method_spy.py)
+
+    spy = TaskSpy(monkeypatch)
     report = run(options(workspace, f"out-{method}", method=method), progress=False, log=lambda *a: None)
     out = workspace / f"out-{method}"
     assert (out / "report.json").exists() and (out / "report.md").exists() and (out / "loss_curves.png").exists()
@@ -34,10 +41,35 @@ def test_every_method_runs_and_saves_a_plain_hf_model(workspace, method):
     assert (out / "report.json").stat().st_mode & 0o044 and (out / "model").stat().st_mode & 0o055  # umask 022
     saved = json.loads((out / "report.json").read_text())
     assert saved["method"] == method and 0 < saved["trainable_fraction"] <= 1
-    assert saved["final"]["domain_loss"] != saved["base"]["domain_loss"]
+    assert saved["final"]["domain_loss"] < saved["base"]["domain_loss"], "the held-out domain loss did not fall"
     model = AutoModelForCausalLM.from_pretrained(out / "model")
+    base = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
     expect_layers = 6 if method in ("adept", "llama_pro", "adept_uniform_lr") else 4
     assert model.config.num_hidden_layers == expect_layers
+    (record,) = spy.tasks
+    assert not record.unchanged(), f"trainable {[record.names[i] for i in record.unchanged()]} did not move"
+    assert not record.frozen_changed, f"frozen {record.frozen_changed} changed"
+    assert record.step_lrs
+    per_unit = [len(set(lrs)) > 1 for lrs in record.step_lrs]  # the groups stepped at different rates
+    if method in ("adept", "adept_no_expand"):
+        assert all(per_unit), record.step_lrs
+        assert len(set(report["unit_rates"]["multipliers"].values())) > 1
+    else:
+        assert not any(per_unit), record.step_lrs
+    if method == "full":
+        assert not record.frozen, sorted(record.frozen)[:3]
+    if method in ("adept", "llama_pro", "adept_uniform_lr"):  # the copies train, nothing else
+        assert record.layers() == model.config.adept["expanded_layers"], record.names
+        assert len(record.names) == len(record.before)
+    if method in ("freeze_deep", "adept_no_expand"):  # the shallow half / the chosen layers, nothing else
+        assert record.layers() == report["layers"] == ([0, 1] if method == "freeze_deep" else record.layers())
+        assert len(record.names) == len(record.before) and all(n.startswith("model.layers.") for n in record.names)
+        changed = changed_tensors(model, base)
+        assert changed and {int(n.split(".")[2]) for n in changed} == set(report["layers"]), changed
+    if method == "lora":  # merged: only the adapted projections moved
+        changed = changed_tensors(model, base)
+        assert changed and all(n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                        "down_proj") for n in changed), changed
     if method == "adept":
         assert (out / "unit_rates.png").exists() and (out / "layer_importance.png").exists()
         assert model.config.adept["expanded_layers"] == [l + 1 + i for i, l in enumerate(report["layers"])]
@@ -99,10 +131,18 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
 
 
 def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys):
+    from dataclasses import fields
+
     cfg = tmp_path / "run.toml"
     opts = options(workspace, "cli")
-    cfg.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in vars(opts).items()
+    runner_options = [f.name for f in fields(opts) if "methods" not in f.metadata]  # not a method's own
+    cfg.write_text("\n".join(f"{k} = {json.dumps(getattr(opts, k))}" for k in runner_options
                              if k not in ("resume", "overwrite")))
+    with_k = tmp_path / "k.toml"
+    with_k.write_text(cfg.read_text() + "\nk = 2\n")
+    assert main(["run", "--config", str(with_k), "--method", "freeze_deep", "--no-progress"]) == 2
+    assert "--k is an option of adept, llama_pro" in capsys.readouterr().err  # given in the file: refused
+    assert not (workspace / "cli").exists()
     assert main(["run", "--config", str(cfg), "--method", "freeze_deep", "--no-progress"]) == 0
     report = json.loads((workspace / "cli" / "report.json").read_text())
     assert report["method"] == "freeze_deep" and report["config"]["block_len"] == 32
@@ -119,12 +159,12 @@ def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys)
     (["run", "--batch-size", "100000000"], "lower --batch-size"),
     (["run", "--layers", "1,7"], "--layers [7] out of range"),
     (["run", "--layers", "1;2"], "comma-separated layer indices"),
-    (["run", "--method", "full", "--layers", "1"], "--layers applies to"),
+    (["run", "--method", "full", "--layers", "1"], "--layers is an option of adept, llama_pro"),
     (["run", "--method", "freeze_deep", "--boundary", "4"], "boundary 4 is not in [1, 3]"),
     (["run", "--method", "freeze_deep", "--boundary", "deep"], "boundary must be half, auto"),
     (["diagnose", "--diagnosis-task", "poetry"], "diagnosis_task must be one of"),
     (["run", "--placement", "nearest"], "placement must be one of"),
-    (["run", "--method", "llama_pro", "--placement", "spread"], "--placement applies to"),
+    (["run", "--method", "llama_pro", "--placement", "spread"], "--placement is an option of adept,"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(workspace, tmp_path, capsys, argv, message):
     argv = argv + ["--out", str(tmp_path / "o"), "--no-progress"]
@@ -188,9 +228,9 @@ class Opt:
 
 
 TINY = ("--model", "{tiny}", "--general", "{general}", "--domain", "{domain}", "--block-len", "32")
-DEAL, EOUPCT = ("--method", "deal"), ("--method", "eoupct")
 # Every field of RunConfig and ContinualConfig (continual: CONTINUAL_OPTIONS first). A new option
 # without an entry fails test_every_option_is_tested; None as `good` or `bad`: that half does not apply.
+# A method's option is given with `--method` set to a method that takes it (`owner_flags`).
 OPTIONS = {
     "model": Opt("{tiny}", "{missing}", "is neither an embedded model", runtime=True),
     "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY, runtime=True),
@@ -214,7 +254,7 @@ OPTIONS = {
     "save_every": Opt(5, -1, "save_every must be >= 0"),
     "recompute_every": Opt(5, 0, "recompute_every must be >= 1"),
     "normalize": Opt("per_kind", "bogus", "normalize must be one of"),
-    "lora_rank": Opt(4, 0, "lora_rank must be >= 1", ("--method", "lora")),
+    "lora_rank": Opt(4, 0, "lora_rank must be >= 1"),
     "seed": Opt(7),  # every int is a seed
     "bf16": Opt("off", "maybe", "bf16 must be auto, on or off"),
     "frozen_dtype": Opt("float32", "float16", "frozen_dtype must be one of auto, bfloat16, float32"),
@@ -235,46 +275,45 @@ OPTIONS = {
     "streaming": Opt(True),
     "mix_general": Opt(0.25, 1.0, "mix_general must be in [0, 1)"),
     "tasks": Opt("python-docs,bbc-topic", "{missing}", "no such file or folder", TINY[:2], runtime=True),
-    "replay_fraction": Opt(0.5, 0.0, "replay_fraction must be in (0, 1]", ("--method", "replay")),
-    "replay_base": Opt("lora", "bogus", "replay_base must be one of", ("--method", "replay")),
-    "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0", ("--method", "o_lora")),
-    "o_lora_penalty": Opt("l1", "l2", "o_lora_penalty must be one of fro2, l1", ("--method", "o_lora")),
-    "deal_rank": Opt(4, 0, "deal_rank must be >= 1", DEAL),
-    "deal_variant": Opt("public_code", "bogus", "deal_variant must be one of paper, public_code", DEAL),
-    "deal_filter": Opt("haar", "bogus", "deal_filter must be one of", DEAL),
-    "deal_filter_on": Opt("a", "c", "deal_filter_on must be one of", DEAL),
-    "deal_scales": Opt(2, 0, "deal_scales must be >= 1", DEAL),
-    "deal_lambda1": Opt(0.1, -1.0, "deal_lambda1 must be a finite number >= 0", DEAL),
-    "deal_a": Opt(12.0, 1.0, "deal_a >= deal_b >= 1 is needed", DEAL),
-    "deal_lambda2": Opt(0.1, -1.0, "deal_lambda2 must be a finite number >= 0", DEAL),
-    "deal_b": Opt(3.0, 0.5, "deal_a >= deal_b >= 1 is needed", DEAL),
-    "deal_new_rank": Opt(4, -1, "deal_new_rank must be >= 0", DEAL),
-    "eoupct_student": Opt("full", "bogus", "eoupct_student must be one of", EOUPCT),
-    "eoupct_rank": Opt(8, 0, "eoupct_rank must be >= 1", EOUPCT),
-    "eoupct_lora_alpha": Opt(16.0, -1.0, "eoupct_lora_alpha must be >= 0", EOUPCT),
-    "eoupct_target_modules": Opt("all", "gate_proj,", "eoupct_target_modules must be gate, all or", EOUPCT),
-    "eoupct_teacher": Opt("task_start", "bogus", "eoupct_teacher must be one of", EOUPCT),
-    "eoupct_proxy": Opt("embeds", "bogus", "eoupct_proxy must be one of", EOUPCT),
-    "eoupct_proxy_len": Opt(8, 3, "eoupct_proxy_len must be in 4..32", EOUPCT),
-    "eoupct_gen_steps": Opt(4, 0, "eoupct_gen_steps must be >= 1", EOUPCT),
-    "eoupct_tau": Opt(0.5, 0.0, "eoupct_tau must be > 0", EOUPCT),
-    "eoupct_alpha": Opt(0.1, -1.0, "eoupct_alpha must be >= 0", EOUPCT),
-    "eoupct_lambda": Opt(0.2, -1.0, "eoupct_lambda must be >= 0", EOUPCT),
-    "eoupct_proxy_every": Opt(2, 0, "eoupct_proxy_every must be >= 1", EOUPCT),
-    "eoupct_proxy_steps": Opt(2, 0, "eoupct_proxy_steps must be >= 1", EOUPCT),
-    "eoupct_proxy_lr": Opt(0.01, 0.0, "eoupct_proxy_lr must be > 0", EOUPCT),
+    "replay_fraction": Opt(0.5, 0.0, "replay_fraction must be in (0, 1]"),
+    "replay_base": Opt("lora", "bogus", "replay_base must be one of"),
+    "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0"),
+    "o_lora_penalty": Opt("l1", "l2", "o_lora_penalty must be one of fro2, l1"),
+    "deal_rank": Opt(4, 0, "deal_rank must be >= 1"),
+    "deal_variant": Opt("public_code", "bogus", "deal_variant must be one of paper, public_code"),
+    "deal_filter": Opt("haar", "bogus", "deal_filter must be one of"),
+    "deal_filter_on": Opt("a", "c", "deal_filter_on must be one of"),
+    "deal_scales": Opt(2, 0, "deal_scales must be >= 1"),
+    "deal_lambda1": Opt(0.1, -1.0, "deal_lambda1 must be a finite number >= 0"),
+    "deal_a": Opt(12.0, 1.0, "deal_a >= deal_b >= 1 is needed"),
+    "deal_lambda2": Opt(0.1, -1.0, "deal_lambda2 must be a finite number >= 0"),
+    "deal_b": Opt(3.0, 0.5, "deal_a >= deal_b >= 1 is needed"),
+    "deal_new_rank": Opt(4, -1, "deal_new_rank must be >= 0"),
+    "eoupct_student": Opt("full", "bogus", "eoupct_student must be one of"),
+    "eoupct_rank": Opt(8, 0, "eoupct_rank must be >= 1"),
+    "eoupct_lora_alpha": Opt(16.0, -1.0, "eoupct_lora_alpha must be >= 0"),
+    "eoupct_target_modules": Opt("all", "gate_proj,", "eoupct_target_modules must be gate, all or"),
+    "eoupct_teacher": Opt("task_start", "bogus", "eoupct_teacher must be one of"),
+    "eoupct_proxy": Opt("embeds", "bogus", "eoupct_proxy must be one of"),
+    "eoupct_proxy_len": Opt(8, 3, "eoupct_proxy_len must be in 4..32"),
+    "eoupct_gen_steps": Opt(4, 0, "eoupct_gen_steps must be >= 1"),
+    "eoupct_tau": Opt(0.5, 0.0, "eoupct_tau must be > 0"),
+    "eoupct_alpha": Opt(0.1, -1.0, "eoupct_alpha must be >= 0"),
+    "eoupct_lambda": Opt(0.2, -1.0, "eoupct_lambda must be >= 0"),
+    "eoupct_proxy_every": Opt(2, 0, "eoupct_proxy_every must be >= 1"),
+    "eoupct_proxy_steps": Opt(2, 0, "eoupct_proxy_steps must be >= 1"),
+    "eoupct_proxy_lr": Opt(0.01, 0.0, "eoupct_proxy_lr must be > 0"),
     "eoupct_no_virtual": Opt(True),
     "eoupct_no_conflict": Opt(True),
-    "eoupct_where": Opt("grad", "bogus", "eoupct_where must be one of", EOUPCT),
-    "eoupct_target": Opt("logits", "bogus", "eoupct_target must be one of", EOUPCT),
-    "eoupct_directions": Opt(2, 0, "eoupct_directions must be >= 1", EOUPCT),
-    "eoupct_memory": Opt("gpm", "bogus", "eoupct_memory must be one of", EOUPCT),
+    "eoupct_where": Opt("grad", "bogus", "eoupct_where must be one of"),
+    "eoupct_target": Opt("logits", "bogus", "eoupct_target must be one of"),
+    "eoupct_directions": Opt(2, 0, "eoupct_directions must be >= 1"),
+    "eoupct_memory": Opt("gpm", "bogus", "eoupct_memory must be one of"),
 }
 CONTINUAL_OPTIONS = {  # where a task sequence differs: its own methods and defaults
     "method": Opt("seq_full", "full", "does not learn task sequences"),
     "k": Opt(3, 0, "k must be >= 1"),
-    "lora_rank": Opt(4, 0, "lora_rank must be >= 1", ("--method", "seq_lora")),
-    "normalize": Opt("per_kind", "bogus", "normalize must be one of", ("--method", "adept_seq")),
+    "lora_rank": Opt(4, 0, "lora_rank must be >= 1"),
     "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY[:2], runtime=True),
     "device": Opt("cpu", "tpu", "device", TINY[:2], runtime=True),
 }
@@ -302,6 +341,17 @@ def _argv(flag, value, paths):
     if value is True:
         return [flag]
     return [flag, str(value).format(**paths)]
+
+
+def owner_flags(command, field):
+    """`--method M` for a method's option that the command's default method does not take (M: the
+    first method that takes it), else nothing."""
+    from adept_ext.cli import config_class
+
+    spec = field.metadata.get("methods")
+    if spec is None or config_class(command)().method in spec.defaults:
+        return []
+    return ["--method", next(iter(spec.defaults))]
 
 
 @pytest.fixture
@@ -333,7 +383,10 @@ def runner(monkeypatch):
 
 @pytest.mark.parametrize("command,field,opt", list(option_cases("good")))
 def test_help_documents_every_option(command, field, opt, paths, runner, monkeypatch, capsys):
-    """Every option has a flag in its command's help, with its default; its flag's value reaches the runner."""
+    """Every option has a flag in its command's help, with its default; its flag's value reaches the runner;
+    a switch's --no- form turns off what a TOML file turned on."""
+    from pathlib import Path
+
     import adept_ext.parallel
 
     assert opt is not None, f"no entry for option {field.name} in OPTIONS (tests/test_train.py)"
@@ -343,14 +396,20 @@ def test_help_documents_every_option(command, field, opt, paths, runner, monkeyp
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
-    assert f" {flag} " in text
+    assert f" {flag} " in text or f" {flag}, --no-{flag[2:]} " in text  # a switch: both ways
     if not isinstance(field.default, bool):  # a bool option is a switch
         assert f"(default: {field.default})" in text.split(f" {flag} ", 1)[1]
     good = opt.good.format(**paths) if isinstance(opt.good, str) else opt.good
     assert good != field.default
     out = paths["tmp"] + "/out"
-    assert main([command, "--out", out, "--no-progress", *_argv(flag, opt.good, paths)]) == 0
+    argv = [command, "--out", out, "--no-progress", *owner_flags(command, field), *_argv(flag, opt.good, paths)]
+    assert main(argv) == 0
     assert len(runner) == 1 and getattr(runner[0], field.name) == good
+    if f"--no-{flag[2:]}" in text:  # and off again after a TOML file turned it on
+        toml = Path(paths["tmp"]) / "on.toml"
+        toml.write_text(f"{field.name} = true\n")
+        assert main([*argv, "--config", str(toml), f"--no-{flag[2:]}"]) == 0
+        assert getattr(runner[-1], field.name) is False
 
 
 @pytest.mark.parametrize("command,field,opt", list(option_cases("bad")))
@@ -372,7 +431,8 @@ def test_every_option_refuses_a_bad_value(command, field, opt, paths, monkeypatc
                 monkeypatch.setattr(module, "run", started)
     out = paths["tmp"] + "/out"
     needs = [a.format(**paths) for a in opt.needs]
-    argv = [command, "--out", out, "--no-progress", *needs, *_argv("--" + field.name.replace("_", "-"), opt.bad, paths)]
+    argv = [command, "--out", out, "--no-progress", *needs, *owner_flags(command, field),
+            *_argv("--" + field.name.replace("_", "-"), opt.bad, paths)]
     assert main(argv) == 2  # the last --out is the one that counts
     assert opt.error in capsys.readouterr().err
     assert not Path(out).exists() and Path(paths["file"]).read_text() == "not a directory"
@@ -393,7 +453,8 @@ def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspac
 
     monkeypatch.setattr(train_module, "evaluate", interrupting)
     with pytest.raises(KeyboardInterrupt):
-        run(options(workspace, "resume-cli", method="full", steps=4), progress=False, log=lambda *a: None)
+        run(options(workspace, "resume-cli", method="full", steps=4, gradient_checkpointing=True), progress=False,
+            log=lambda *a: None)
     monkeypatch.setattr(train_module, "evaluate", real_evaluate)
     assert main(["run", "--out", str(out), "--resume", "--method", "lora", "--no-progress"]) == 2
     assert "differs from the run's own method ('full')" in capsys.readouterr().err
@@ -403,9 +464,11 @@ def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspac
     assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 2
     assert "checkpointed by 2 process(es) and this is 1" in capsys.readouterr().err
     torch.save(checkpoint, out / "checkpoint.pt")
-    assert main(["run", "--out", str(out), "--resume", "--steps", "5", "--no-progress"]) == 0
+    assert main(["run", "--out", str(out), "--resume", "--steps", "5", "--no-gradient-checkpointing", "--no-compile",
+                 "--no-progress"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["method"] == "full" and report["config"]["steps"] == 5 and len(report["history"]["train"]) == 5
+    assert report["config"]["gradient_checkpointing"] is False and report["config"]["compile"] is False
     assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 2
     assert "is finished" in capsys.readouterr().err
 

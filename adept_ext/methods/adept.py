@@ -33,8 +33,9 @@ def parse_layers(text: str) -> Optional[List[int]]:
 class LayerConfig(MethodConfig):
     """k layers to expand or train; `layers` (sorted distinct indices) overrides the method's choice."""
 
-    k: int = 4
-    layers: Optional[List[int]] = option(None, parse=parse_layers)
+    k: int = option(4, help="number of layers to expand (adept_no_expand: to train)")
+    layers: Optional[List[int]] = option(None, parse=parse_layers, flat="", help=(
+        "comma-separated layers to expand or train instead of the method's choice (overrides k)"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -51,7 +52,9 @@ class BoundaryConfig(MethodConfig):
     """LayerTracer's boundary b between shallow and deep layers (docs/methods.md §3): half (the
     depth's half), auto (from a LayerTracer diagnosis of the model) or a layer count."""
 
-    boundary: str = "half"
+    boundary: str = option("half", help=(
+        "the boundary b between shallow and deep layers (freeze_deep trains layers [0, b); the depth placement puts "
+        "the k layers below it): half, auto (from a LayerTracer diagnosis) or a number"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -65,7 +68,9 @@ class PlacementConfig(BoundaryConfig, LayerConfig):
     """Where Stage 1 puts the k layers: `placement` (see `adept_ext.placement`); `boundary` is the
     depth placement's boundary (half: none, auto: from a LayerTracer diagnosis, or a layer count)."""
 
-    placement: str = "importance"
+    placement: str = option("importance", help=(
+        "where the k layers go: importance (ADEPT), uniform (LLaMA-Pro's spacing), domain_aware, plasticity, depth "
+        "(below --boundary), spread (least important per depth block); see adept_ext/placement.py"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,8 +82,9 @@ class RatesConfig(MethodConfig):
     """Stage 2's per-unit rates (docs/methods.md §1.3): the importance normalisation and how often
     (optimizer steps) it is recomputed."""
 
-    normalize: str = "rank"
-    recompute_every: int = 20
+    normalize: str = option("rank", help=(
+        "unit-importance normalisation of the per-unit rates: rank, per_kind or global"))
+    recompute_every: int = option(20, help="recompute unit importance every N optimizer steps")
 
     def __post_init__(self):
         super().__post_init__()

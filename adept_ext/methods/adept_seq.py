@@ -13,14 +13,14 @@ from ..models import adapter
 from ..placement import uniform
 from ..probe import layer_importance
 from .adept import DecoupledRates, LayerMethod, RatesConfig, check_k, describe_copies
-from .base import MethodConfig, MethodError, Setup, register, train_only
+from .base import MethodConfig, MethodError, Setup, option, register, train_only
 
 
 @dataclass(kw_only=True)
 class CopiesPerTaskConfig(MethodConfig):
     """k new copies per task."""
 
-    k: int = 2
+    k: int = option(2, help="number of new layer copies per task")
 
     def __post_init__(self):
         super().__post_init__()

@@ -24,10 +24,12 @@ started, then `prepare`, then the state saved inside the task.
 A method reads no runner's options: its own options are a `MethodConfig` dataclass that checks
 itself when it is built (MethodError), and the training it prepares for (learning rate, weight
 decay, steps, seed) comes with the `Context` of `prepare`. A new method is one file in this
-package: a `MethodConfig` subclass naming the method, and a `Method` subclass with the
-`@register` decorator whose `config_class` is that config; the runners and the CLI pick it up by
-its name.
+package: a `MethodConfig` subclass naming the method, each field an `option(default, flat_name,
+help=...)`, and a `Method` subclass with the `@register` decorator whose `config_class` is that
+config; the runners and the CLI pick it up by its name, and its options become flags, TOML keys
+and `run.json` entries of the runners that run it (`training.with_method_options`).
 """
+import logging
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Collection, Dict, List, Optional, Sequence
@@ -39,13 +41,72 @@ from ..errors import MethodError
 from ..lm_loss import next_token_loss
 
 REGISTRY: Dict[str, type] = {}
+logger = logging.getLogger(__name__)
 
 
-def option(default, name: Optional[str] = None, parse: Optional[Callable] = None):
-    """A config field with its default and the runner's flat option it comes from (`name`;
-    default: the field's own name), read through `parse` when the option's form differs."""
-    metadata = {k: v for k, v in (("option", name), ("parse", parse)) if v is not None}
+def option(default, name: Optional[str] = None, parse: Optional[Callable] = None, help: str = "",
+           flat: Any = MISSING):
+    """A config field: its default, its help text, and the runner's flat option it comes from
+    (`name`; default: the field's own name), read through `parse` where the option's form differs
+    from the field's (then `flat` is the option's own default, e.g. "" for `layers`). The runners'
+    flags, TOML keys, run.json and the `docs/cli.md` tables are derived from these fields
+    (`method_options`); a field whose option is a runner's own (e.g. `diagnosis_task`) reads it."""
+    metadata = {k: v for k, v in (("option", name), ("parse", parse), ("help", help or None),
+                                  ("flat", flat)) if v is not None and v is not MISSING}
     return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """A flat option of one or several methods: its name and type, and per method that takes it
+    (in registration order) its default and help text there."""
+
+    name: str
+    type: type
+    defaults: Dict[str, Any]
+    helps: Dict[str, str]
+
+    @property
+    def default(self):
+        """The default when every method that takes the option agrees on it, else None."""
+        values = list(self.defaults.values())
+        return values[0] if len({repr(v) for v in values}) == 1 else None
+
+    def help(self, show_default=repr) -> str:
+        """"methods: help" for each group of methods that share the help text and default; each
+        group's default (shown by `show_default`) is named only where the methods differ on it."""
+        groups: Dict[tuple, List[str]] = {}
+        for method, text in self.helps.items():
+            groups.setdefault((text, self.defaults[method]), []).append(method)
+        agree = len({repr(d) for d in self.defaults.values()}) == 1
+        return "; ".join(f"{', '.join(methods)}: {text}" + ("" if agree else f" (default {show_default(default)})")
+                         for (text, default), methods in groups.items())
+
+
+def method_options(names: Sequence[str], runner_fields: Collection[str] = ()) -> Dict[str, OptionSpec]:
+    """The flat options of the registered methods `names` (in registration and field order),
+    leaving out those that are a runner's own (`runner_fields`). ValueError for an option without
+    help text, or one that two methods declare with different types."""
+    specs: Dict[str, OptionSpec] = {}
+    for method in names:
+        cls = REGISTRY[method].config_class
+        for f in fields(cls):
+            flat = f.metadata.get("option", f.name)
+            if flat in runner_fields:
+                continue
+            default = f.metadata.get("flat", f.default)
+            kind = type(default) if "parse" in f.metadata else f.type
+            text = f.metadata.get("help")
+            if not text:
+                raise ValueError(f"{cls.__name__}.{f.name}: a method option needs its help text "
+                                 f"(option(..., help=...))")
+            spec = specs.get(flat)
+            if spec is not None and spec.type is not kind:
+                raise ValueError(f"option {flat!r}: {cls.__name__}.{f.name} is a {kind}, another method's "
+                                 f"is a {spec.type}")
+            specs[flat] = OptionSpec(flat, kind, {**(spec.defaults if spec else {}), method: default},
+                                     {**(spec.helps if spec else {}), method: text})
+    return specs
 
 
 @dataclass(kw_only=True)
@@ -136,7 +197,7 @@ class Context:
     autocast_dtype: Optional[torch.dtype] = None         # the training's autocast dtype (None: fp32)
     task_index: int = 0                                  # 0-based position in the sequence (0 for `run`)
     diagnosis_batches: Optional[Callable[[], List[Dict[str, torch.Tensor]]]] = None  # LayerTracer inputs
-    log: Callable = print
+    log: Callable = logger.info
     # The training the method prepares for (explicit: a method reads no runner's options).
     lr: float = field(default=3e-4, kw_only=True)           # base learning rate of the task
     weight_decay: float = field(default=0.01, kw_only=True)  # AdamW's decoupled weight decay

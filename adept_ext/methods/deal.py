@@ -24,11 +24,15 @@ stays task 1's and is frozen; lora_A (trainable, starting from the previous task
 filtered by a one-level 2-D Haar DWT whose approximation coefficients are scaled by θ (one per
 coefficient, init 1), and an MLP with biases (Kaiming init, discarded after the task) acts on the
 LoRA activations: h = W₀x + s·B₁·MLP_t(Ã_t x). Not function-preserving and not mergeable: the
-base weights never change, the adapter is applied by forward hooks between tasks and saved as
-`deal_adapter.safetensors` in each task's folder; θ is folded into A after each task.
+base weights never change, the adapter is applied by forward hooks between tasks
+(`PublicCodeAdapter`) and saved as `deal_adapter.safetensors` in each task's folder and by the
+finished model's `save_pretrained`, beside the base weights; `load_adapter` puts it back on the
+reloaded model. θ is folded into A after each task.
 """
 import math
+import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Dict, List
 
 import torch
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..errors import InputError
 from .base import MethodError, Setup, option, register, train_only
 from .lora import SeqLora, SeqLoraConfig, add_lora, lora_adapters
 
@@ -43,6 +48,7 @@ FILTERS = ("wavelet", "haar")
 FILTER_ON = ("ab", "a", "b")
 VARIANTS = ("paper", "public_code")
 ADAPTER_FILE = "deal_adapter.safetensors"  # deal_variant public_code: the task's adapter (not mergeable)
+ADAPTER_ATTR = "deal_adapter"  # the PublicCodeAdapter a model carries (a plain attribute, not a submodule)
 
 
 class WaveletFilter(nn.Module):
@@ -151,6 +157,123 @@ def _adapter_on_output(a, b, scaling, mlp):
     return hook
 
 
+class PublicCodeAdapter:
+    """The public code's adapter between tasks, on the plain (unmerged) model: h = W₀x + s·B·MLP(Ã x)
+    on each adapted projection (s·B·Ã x after task 1, which has no MLP), applied by forward hooks.
+    `factors`: module name -> (Ã [r, d_in], B [d_out, r]), float32; `mlps`: module name -> the
+    task's ActivationMLP (float32, frozen). While attached, the model's `save_pretrained` writes it
+    beside the weights as ADAPTER_FILE (and `deal_adapter` into config.json): a saved model is
+    never the base model alone. `load_adapter` reads it back."""
+
+    def __init__(self, factors: Dict[str, tuple], mlps: Dict[str, nn.Module], scaling: float):
+        self.factors, self.scaling = dict(factors), float(scaling)
+        self.mlps = {name: mlp.float().requires_grad_(False) for name, mlp in mlps.items()}
+        self.handles = []
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        tensors = {f"{name}.{key}": t.detach().float().cpu().contiguous() for name, (a, b) in self.factors.items()
+                   for key, t in (("lora_A", a), ("lora_B", b))}
+        tensors.update({f"{name}.mlp.{k}": v.detach().float().cpu().contiguous()
+                        for name, mlp in self.mlps.items() for k, v in mlp.state_dict().items()})
+        return tensors
+
+    def save(self, path: Path):
+        """Write the adapter (A, B, the MLP's weights; the scaling in the metadata) to `path`."""
+        from safetensors.torch import save_file
+
+        save_file(self.tensors(), str(path), metadata={"scaling": str(self.scaling)})
+
+    @classmethod
+    def read(cls, path: Path) -> "PublicCodeAdapter":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            scaling = (f.metadata() or {}).get("scaling")
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        if scaling is None:
+            raise InputError(f"{path}: not a DEAL adapter (no scaling in its metadata)")
+        names = [key.removesuffix(".lora_A") for key in tensors if key.endswith(".lora_A")]
+        if not names or any(f"{name}.lora_B" not in tensors for name in names):
+            raise InputError(f"{path}: not a DEAL adapter (lora_A and lora_B of each projection expected)")
+        mlps = {}
+        for name in names:
+            state = {k.removeprefix(f"{name}.mlp."): v for k, v in tensors.items() if k.startswith(f"{name}.mlp.")}
+            if state:
+                mlps[name] = ActivationMLP(len(tensors[f"{name}.lora_A"]))
+                mlps[name].load_state_dict(state)
+        return cls({name: (tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"]) for name in names}, mlps,
+                   float(scaling))
+
+    def attach(self, model):
+        """Hook the adapter onto `model`'s projections (replacing one it carries) and make its
+        save_pretrained write the adapter too."""
+        modules = dict(model.named_modules())
+        misfits = [name for name, (a, b) in self.factors.items() if name not in modules
+                   or tuple(modules[name].weight.shape) != (b.shape[0], a.shape[1])]
+        if misfits:
+            raise InputError(f"the DEAL adapter does not fit this model: projections {misfits[:3]} are missing or "
+                             f"of another shape")
+        detach_adapter(model)
+        for name, (a, b) in self.factors.items():
+            device = modules[name].weight.device
+            self.factors[name] = a, b = a.to(device), b.to(device)
+            mlp = self.mlps[name].to(device) if name in self.mlps else None
+            self.handles.append(modules[name].register_forward_hook(_adapter_on_output(a, b, self.scaling, mlp)))
+        setattr(model, ADAPTER_ATTR, self)
+        model.save_pretrained = types.MethodType(_save_with_adapter, model)
+
+    def detach(self, model):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        for attribute in (ADAPTER_ATTR, "save_pretrained"):
+            vars(model).pop(attribute, None)
+
+
+def detach_adapter(model):
+    """Take the public code's adapter off `model`, if it carries one (hooks and saving)."""
+    adapter = vars(model).get(ADAPTER_ATTR)
+    if adapter is not None:
+        adapter.detach(model)
+
+
+def _save_with_adapter(model, save_directory, *args, **kwargs):
+    """save_pretrained of a model carrying a PublicCodeAdapter: the base weights and config (which
+    names the adapter file), then the adapter beside them."""
+    config, had = model.config, "deal_adapter" in vars(model.config)
+    previous = vars(config).get("deal_adapter")
+    config.deal_adapter = ADAPTER_FILE
+    try:
+        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    finally:
+        if had:
+            config.deal_adapter = previous
+        else:
+            del config.deal_adapter
+    if kwargs.get("is_main_process", True):
+        getattr(model, ADAPTER_ATTR).save(Path(save_directory) / ADAPTER_FILE)
+    return result
+
+
+def load_adapter(model, path):
+    """Put back the adapter of DEAL's public_code variant that `save_pretrained` wrote beside a
+    finished model's weights (`path`: that folder or the file itself):
+
+        model = AutoModelForCausalLM.from_pretrained(folder)  # the base weights alone
+        load_adapter(model, folder)                            # the model `task.finish()` returned
+
+    Returns `model`, its forward hooked as after `finish()` and its save_pretrained writing the
+    adapter again. InputError when there is no adapter or it does not fit the model."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ADAPTER_FILE
+    if not path.is_file():
+        raise InputError(f"{path}: no DEAL adapter here (deal_variant public_code writes {ADAPTER_FILE} beside the "
+                         f"weights)")
+    PublicCodeAdapter.read(path).attach(model)
+    return model
+
+
 class Factor(nn.Module):
     """Parametrization of one PEFT factor from the frozen Y₀ (rank-major [r, n]): the filtered and
     updated residual ΔY = (X̂ − Y₀) + MLP(X̂) (when this factor is filtered, else 0) and the fresh
@@ -189,16 +312,24 @@ class DealConfig(SeqLoraConfig):
     the penalties' weights and exponents (a >= b >= 1)."""
 
     method: ClassVar[str] = "deal"
-    rank: int = option(8, "deal_rank")
-    variant: str = option("paper", "deal_variant")      # paper (filtered factors, merged) | public_code
-    filter: str = option("wavelet", "deal_filter")      # wavelet (heat-kernel network) | haar (public code)
-    filter_on: str = option("ab", "deal_filter_on")     # the factors filtered and updated: ab | a | b
-    scales: int = option(3, "deal_scales")              # heat-kernel scales of the wavelet filter
-    new_rank: int = option(8, "deal_new_rank")          # rank of the new task's fresh LoRA term; 0: none
-    lambda1: float = option(0.01, "deal_lambda1")
-    a: float = option(10.0, "deal_a")
-    lambda2: float = option(0.001, "deal_lambda2")
-    b: float = option(2.0, "deal_b")
+    rank: int = option(8, "deal_rank", help="LoRA rank")
+    variant: str = option("paper", "deal_variant", help=(
+        "paper (filtered and updated factors plus a fresh LoRA term, merged after each task) or public_code (the "
+        "authors' code: B frozen at task 1's, a 2-D Haar θ on A, an MLP on the LoRA activations; not mergeable: "
+        "the saved model is the base model with the adapter beside it, `deal_adapter.safetensors`, which "
+        "`adept_ext.methods.deal.load_adapter` applies after `from_pretrained`)"))
+    filter: str = option("wavelet", "deal_filter", help=(
+        "knowledge-retention filter: wavelet (the paper's heat-kernel network) or haar (the public code's "
+        "one-level Haar DWT)"))
+    filter_on: str = option("ab", "deal_filter_on", help="LoRA matrices that are filtered and updated: ab, a or b")
+    scales: int = option(3, "deal_scales", help="number of heat-kernel scales of the wavelet filter")
+    new_rank: int = option(8, "deal_new_rank", help=(
+        "rank of the fresh zero-initialised LoRA term the new task learns beside the filtered factors (0: none, "
+        "the filter and update only)"))
+    lambda1: float = option(0.01, "deal_lambda1", help="weight of the retention penalty ‖θ_retain‖_a^a")
+    a: float = option(10.0, "deal_a", help="exponent a of the retention penalty (a >= b)")
+    lambda2: float = option(0.001, "deal_lambda2", help="weight of the update penalty ‖θ_update‖_b^b")
+    b: float = option(2.0, "deal_b", help="exponent b of the update penalty (>= 1)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -236,10 +367,11 @@ class Deal(SeqLora):
         self.updates: List[nn.Parameter] = []
         self.fresh: List[nn.Parameter] = []
         self.mlps: Dict[str, ActivationMLP] = {}  # public_code: module name -> the task's MLP
-        self.hooks = []  # public_code: forward hooks of the task's MLPs, or of the adapter between tasks
+        self.hooks = []  # public_code: forward hooks of the task's MLPs (the adapter between tasks: PublicCodeAdapter)
 
     def prepare(self, model, ctx, layers=None) -> Setup:
         self.remove_hooks()
+        detach_adapter(model)  # the public code's adapter of the last task (a new one is trained from its factors)
         if not self.factors:  # task 1: a plain LoRA
             return super().prepare(model, ctx, layers)
         if self.config.variant == "public_code":
@@ -330,12 +462,12 @@ class Deal(SeqLora):
         return super().end_task(model, out, report)
 
     def end_task_public_code(self, model, out, report: Dict):
-        """Fold θ into A (Ã is the next task's A), unload the LoRA without merging, and hook
-        h = W₀x + s·B·MLP_t(Ã x) onto the base projections (no MLP after task 1) for evaluation
-        until the next task, which discards MLP_t as the public code does. Writes the adapter
-        (A, B, the MLP's weights, the scaling) to `out/deal_adapter.safetensors`."""
-        from safetensors.torch import save_file
-
+        """Fold θ into A (Ã is the next task's A), unload the LoRA without merging, and attach the
+        `PublicCodeAdapter` h = W₀x + s·B·MLP_t(Ã x) to the base model (no MLP after task 1): its
+        forward hooks apply it for evaluation until the next task, which discards MLP_t as the
+        public code does, and the returned model's save_pretrained writes it beside the weights.
+        Writes the adapter (A, B, the MLP's weights, the scaling) to `out/deal_adapter.safetensors`
+        too."""
         adapters = lora_adapters(self.peft_model.get_base_model())  # names as in the plain model
         scaling = adapters[0][1].scaling["default"]
         with torch.no_grad():
@@ -343,21 +475,14 @@ class Deal(SeqLora):
                 a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # Ã: θ applied
                 self.factors[name] = (a.detach().float().cpu().clone(), b.detach().float().cpu().clone())
         self.remove_hooks()
-        if out is not None:
-            tensors = {f"{name}.{key}": t.contiguous() for name, (a, b) in self.factors.items()
-                       for key, t in (("lora_A", a), ("lora_B", b))}
-            tensors.update({f"{name}.mlp.{k}": v.detach().float().cpu().contiguous()
-                            for name, mlp in self.mlps.items() for k, v in mlp.state_dict().items()})
-            save_file(tensors, str(out / ADAPTER_FILE), metadata={"scaling": str(scaling)})
-            report["adapter"] = f"{ADAPTER_FILE} (not mergeable: the saved model is the base model)"
         base = self.peft_model.unload()
         self.peft_model = None
-        modules = dict(base.named_modules())
-        for name, (a, b) in self.factors.items():
-            weight = modules[name].weight
-            mlp = self.mlps.get(name)
-            self.hooks.append(modules[name].register_forward_hook(_adapter_on_output(
-                a.to(weight.device), b.to(weight.device), scaling, mlp.requires_grad_(False) if mlp else None)))
+        adapter = PublicCodeAdapter(self.factors, self.mlps, scaling)
+        adapter.attach(base)
+        if out is not None:
+            adapter.save(out / ADAPTER_FILE)
+            report["adapter"] = (f"{ADAPTER_FILE} (not mergeable: beside the base weights in the saved model; "
+                                 f"adept_ext.methods.deal.load_adapter applies it)")
         self.retain, self.updates = [], []
         return base
 

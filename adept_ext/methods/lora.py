@@ -49,7 +49,7 @@ class LoraMethodConfig(MethodConfig):
     """The adapter's rank r (not PEFT's `LoraConfig`: the method builds that from r)."""
 
     method: ClassVar[str] = "lora"
-    rank: int = option(8, "lora_rank")
+    rank: int = option(8, "lora_rank", help="LoRA rank")
 
     def __post_init__(self):
         super().__post_init__()

@@ -24,8 +24,11 @@ class OLoraConfig(SeqLoraConfig):
     squared Frobenius norm; l1, the public code's entrywise L1)."""
 
     method: ClassVar[str] = "o_lora"
-    lam: float = option(0.5, "o_lora_lambda")
-    penalty: str = option("fro2", "o_lora_penalty")
+    lam: float = option(0.5, "o_lora_lambda", help=(
+        "weight of the orthogonality penalty between the new and the earlier LoRA A's"))
+    penalty: str = option("fro2", "o_lora_penalty", help=(
+        "the penalty's norm: `fro2` (the paper's squared Frobenius norm of A_i A_tᵀ) or `l1` (the public code's "
+        "entrywise L1)"))
 
     def __post_init__(self):
         super().__post_init__()

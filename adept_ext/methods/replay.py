@@ -20,9 +20,10 @@ class ReplayConfig(MethodConfig):
     """The buffer's share f of each earlier task, and the method it is mixed into."""
 
     method: ClassVar[str] = "replay"
-    fraction: float = option(0.02, "replay_fraction")
-    base: str = option("full", "replay_base")
-    rank: int = option(8, "lora_rank")  # the seq_lora base's rank
+    fraction: float = option(0.02, "replay_fraction", help=(
+        "share of every earlier task's training blocks mixed into a later task"))
+    base: str = option("full", "replay_base", help="on top of seq_full (full) or seq_lora (lora)")
+    rank: int = option(8, "lora_rank", help="LoRA rank of the seq_lora base (replay_base lora)")
 
     def __post_init__(self):
         super().__post_init__()

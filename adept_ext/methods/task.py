@@ -7,7 +7,13 @@
     for batch in task.batches(loader):
         task.loss(batch).backward(); optimizer.step(); optimizer.zero_grad()
     model = task.finish()  # hooks off, adapters merged: a plain Hugging Face model
+    model.save_pretrained(folder)  # everything the task learned (DEAL public_code: its adapter beside the weights)
+
+A model is prepared for one task at a time: `prepare` marks it (`PREPARED`) and `finish` clears
+the mark, so a second `prepare` before `finish` is refused; the finished model is prepared for
+the next task of a sequence as usual.
 """
+import logging
 import math
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -17,6 +23,10 @@ from ..errors import InputError
 from ..lm_loss import uses_fused_loss
 from .base import Context, Method, Setup
 
+logger = logging.getLogger(__name__)
+
+PREPARED = "adept_ext_prepared"  # attribute of a model prepared for a task and not finished yet: the method's name
+
 
 class Task:
     """A method prepared on a model for one task: its param groups, optimizer hooks, loss and finish."""
@@ -24,6 +34,7 @@ class Task:
     def __init__(self, model, method: Method, setup: Setup, loss_implementation: str = "auto"):
         self.model, self.method, self.setup = model, method, setup
         self.loss_implementation = loss_implementation
+        self.finished = False
 
     @property
     def param_groups(self) -> List[Dict]:
@@ -77,8 +88,18 @@ class Task:
 
     def finish(self, out=None, report: Optional[Dict] = None):
         """End the task: hooks off, adapters merged, plots into `out` (None: none), report entries
-        into `report`; returns the plain Hugging Face model to evaluate and save."""
-        self.model = self.method.end_task(self.model, out, {} if report is None else report)
+        into `report`; returns the Hugging Face model to evaluate and save: its `save_pretrained`
+        saves everything the task learned (DEAL's public_code variant, not mergeable: the base
+        weights and, beside them, the adapter its forward hooks apply; `deal.load_adapter` puts
+        it back on the reloaded model). The model may then be prepared for a next task."""
+        if self.finished:
+            raise InputError("this task is finished already: finish() ends a task once; prepare the model it "
+                             "returned for a next task")
+        prepared = self.model
+        self.model = self.method.end_task(prepared, out, {} if report is None else report)
+        self.finished = True
+        for model in (prepared, self.model):
+            vars(model).pop(PREPARED, None)
         return self.model
 
     def state_dict(self) -> Dict:
@@ -93,21 +114,28 @@ def prepare(model, method: Method, *, lr: float, total_steps: int, general_probe
             autocast_dtype: Optional[torch.dtype] = None,
             diagnosis_batches: Optional[Callable[[], List[Dict[str, torch.Tensor]]]] = None,
             layers: Optional[List[int]] = None, loss_implementation: str = "auto", progress: bool = True,
-            log: Callable = print) -> Task:
+            log: Callable = logger.info) -> Task:
     """Check `method` against `model`, then prepare it for one task (freeze, expand, wrap, score
     units: whatever the method does) and return the `Task`. `general_probe`: general-domain
     batches (ADEPT's probe and unit importance); `domain_probe`: the task's (placements);
     `task_index`: 0-based position in a sequence; `layers`: a layer choice to replay (resume);
     `loss_implementation`: auto | fused | hf (`lm_loss`). InputError before anything changes for
-    impossible training settings."""
+    impossible training settings, and for a model prepared for a task that was not finished."""
     if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
         raise InputError(f"lr must be a finite number > 0, got {lr!r}")
     if not (isinstance(total_steps, int) and total_steps >= 1):
         raise InputError(f"total_steps must be an int >= 1, got {total_steps!r}")
     if not weight_decay >= 0:
         raise InputError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    earlier = getattr(model, PREPARED, None)
+    if earlier is not None:
+        raise InputError(f"this model is already prepared for a task ({earlier}) that was not finished: call "
+                         f"finish() on that task first and prepare the model it returns (preparing twice would "
+                         f"expand, wrap or hook the model again)")
     uses_fused_loss(model, loss_implementation)  # an unknown name, or fused on a head it cannot reproduce
     method.check(model)
     ctx = Context(general_probe, domain_probe, progress, autocast_dtype, task_index, diagnosis_batches, log,
                   lr=lr, weight_decay=weight_decay, total_steps=total_steps, seed=seed)
-    return Task(model, method, method.prepare(model, ctx, layers=layers), loss_implementation)
+    task = Task(model, method, method.prepare(model, ctx, layers=layers), loss_implementation)
+    setattr(model, PREPARED, method.name)
+    return task

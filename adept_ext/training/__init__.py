@@ -5,7 +5,7 @@ from .checkpoint import (SHARDS, load_training_state, read_checkpoint, remove_st
                          save_sharded_state, set_rng_state, shard, training_state)
 from .device import check_memory, device_for, frozen_dtype_for, peak_memory_mb, use_bf16
 from .loop import TaskHooks, evaluate, fit_task, optimizer_for, schedule, train_steps
-from .options import TrainOptions, check_types, data_workers, options_from
+from .options import TrainOptions, check_types, data_workers, options_from, with_method_options
 from .rundir import CHECKPOINT, atomic_dir, atomic_write, check_out, prepare_out, saved_options
 from .tracking import Tracker, backends_of
 
@@ -13,4 +13,4 @@ __all__ = ["CHECKPOINT", "SHARDS", "TaskHooks", "Tracker", "TrainOptions", "atom
            "check_memory", "check_out", "check_types", "data_workers", "device_for", "evaluate", "fit_task",
            "frozen_dtype_for", "load_training_state", "optimizer_for", "options_from", "peak_memory_mb", "prepare_out",
            "read_checkpoint", "remove_stale_shards", "rng_state", "save_sharded_state", "saved_options", "schedule",
-           "set_rng_state", "shard", "train_steps", "training_state", "use_bf16"]
+           "set_rng_state", "shard", "train_steps", "training_state", "use_bf16", "with_method_options"]

@@ -1,6 +1,7 @@
 """The training engine both runners share: evaluation, the optimizer and its schedule, the
 step loop, and `fit_task`, which owns one task's whole block (prepare through `methods.prepare`,
 memory check, shard or wrap, optimizer, resume, checkpoints, the steps, unshard, finish)."""
+import logging
 import math
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from ..optim import GroupedAdamW
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
 from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb
 from .rundir import CHECKPOINT, atomic_write
+
+logger = logging.getLogger(__name__)
 
 
 def vocab_size(model) -> int:
@@ -189,7 +192,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
              general_probe, domain_probe=(), task_index: int = 0, diagnosis_batches=None,
              checkpoint: Optional[Dict] = None,
              hooks: TaskHooks = TaskHooks(), artifacts: Optional[Path] = None, report: Optional[Dict] = None,
-             tracker=None, step_offset: int = 0, progress: bool = True, log=print) -> Dict:
+             tracker=None, step_offset: int = 0, progress: bool = True, log=logger.info) -> Dict:
     """One task, start to finish: `methods.prepare` (the layers of `checkpoint` when resuming
     inside the task), the memory check for what trains, shard (FSDP2) or wrap (DDP), the
     optimizer, the state of `checkpoint`, `cfg.steps` steps over `batches(task)` with the

@@ -3,15 +3,16 @@ import math
 import os
 import types
 import typing
-from dataclasses import dataclass, fields
-from typing import Dict
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Collection, Dict, Optional
 
 import torch
 
 from .. import parallel
 from ..errors import RunError
 from ..lm_loss import LOSS_IMPLEMENTATIONS
-from ..methods import create
+from ..methods import create, method_names
+from ..methods.base import REGISTRY, method_options, option
 from ..models import check_attention
 from .tracking import backends_of
 
@@ -20,54 +21,126 @@ FROZEN_DTYPES = ("auto", "bfloat16", "float32")
 
 @dataclass
 class TrainOptions:
-    """Options of every runner (one domain or a task sequence), with their defaults."""
+    """Options of every runner (one domain or a task sequence), with their defaults and help texts.
+    A method's own options are not here: they are its config's fields (`methods`), added to a
+    runner's config by `with_method_options`."""
 
-    model: str = "smollm2-135m"       # local HF checkpoint directory or an embedded model name
-    out: str = "runs/run"             # output directory
-    method: str = "adept"             # a registered method (adept_ext.methods)
-    k: int = 4                        # layers to expand / train (adept, llama_pro, adept_no_expand, *_seq per task)
-    block_len: int = 128              # tokens per block
-    batch_size: int = 4               # blocks per micro-batch
-    grad_accum: int = 1               # micro-batches per optimizer step
-    steps: int = 40                   # optimizer steps (per task in a sequence)
-    lr: float = 3e-4                  # base learning rate
-    warmup_steps: int = 4             # linear warmup, then cosine decay to 0
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0        # gradient clipping (0 = off)
-    logging_steps: int = 1            # read the training loss every N steps and log their mean (HF's name)
-    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (HF's, non-reentrant)
-    attn_implementation: str = "sdpa"  # transformers' attention backend: sdpa | eager | flash_attention_2
-    loss_implementation: str = "auto"  # next-token loss: auto (fused on a plain linear head) | fused | hf
-    compile: bool = False             # torch.compile each decoder layer for the training steps
-    mix_general: float = 0.0          # share of the training blocks (each task's) drawn from the general corpus
-    probe_blocks: int = 8             # general blocks used to probe layers and score units
-    eval_blocks: int = 16             # held-out blocks per corpus for evaluation
-    save_every: int = 20              # checkpoint every N steps (0 = never)
-    recompute_every: int = 20         # ADEPT: recompute unit importance every N steps
-    normalize: str = "rank"           # ADEPT: unit-importance normalisation (rank, per_kind, global)
-    lora_rank: int = 8
-    seed: int = 0
-    bf16: str = "auto"                # auto (GPU with bf16 support) | on | off
-    frozen_dtype: str = "auto"        # weights that don't train: auto (bf16 under bf16 autocast) | bfloat16 | float32
-    device: str = "auto"              # auto | cpu | cuda
-    parallel: str = "ddp"             # under torchrun: ddp | fsdp2 (parameters and optimizer state sharded)
-    resume: bool = False              # continue the run in `out` from its last checkpoint
-    overwrite: bool = False           # replace an existing run in `out`
-    data_workers: int = 0             # processes tokenising a file/folder corpus (0 = the CPU count, at most 8)
-    report_to: str = "none"           # live tracking: none | comma-separated tensorboard, mlflow, wandb, trackio
+    model: str = option("smollm2-135m", help=(
+        "local HF checkpoint directory or embedded model name (smollm2-135m)"))
+    out: str = option("runs/run", help="output directory")
+    method: str = option("adept", help="adaptation method")
+    block_len: int = option(128, help="tokens per block")
+    batch_size: int = option(4, help="blocks per micro-batch")
+    grad_accum: int = option(1, help="micro-batches per optimizer step")
+    steps: int = option(40, help="optimizer steps (per task in a sequence)")
+    lr: float = option(3e-4, help="base learning rate (AdamW)")
+    warmup_steps: int = option(4, help="linear warmup steps before the cosine decay")
+    weight_decay: float = option(0.01, help="AdamW weight decay")
+    max_grad_norm: float = option(1.0, help="gradient clipping norm (0 = off)")
+    logging_steps: int = option(1, help=(
+        "read the training loss from the device every N steps (and at the last) and log the mean over those steps, "
+        "as Hugging Face's `logging_steps`: report.json's history, the progress bar and `--report-to` get one entry "
+        "per N steps (tokens/s over them, the grad norm and lr of the step); 1 logs every step"))
+    gradient_checkpointing: bool = option(False, help=(
+        "recompute each decoder layer's activations in the backward pass (Hugging Face's non-reentrant activation "
+        "checkpointing): less memory, the same losses, about one more forward per step"))
+    attn_implementation: str = option("auto", help=(
+        "transformers' attention backend: `auto` (the one transformers picks for the model: sdpa, or eager for "
+        "Gemma 2), `sdpa` (PyTorch's scaled_dot_product_attention), `eager`, or `flash_attention_2` (needs the "
+        "flash-attn package and a CUDA GPU); a backend the model or the machine cannot run is refused before "
+        "anything loads"))
+    loss_implementation: str = option("auto", help=(
+        "next-token loss of training and evaluation: `auto` (the fused linear cross-entropy on the LM head, which "
+        "never forms the batch × sequence × vocabulary logits, when the head is a plain linear map; else Hugging "
+        "Face's, with the reason in the log and report.json), `fused` (refused when the head is not plain), `hf` "
+        "(the model's own loss on full logits)"))
+    compile: bool = option(False, help=(
+        "`torch.compile` each decoder layer in place for the training steps (the copies an expansion adds too; "
+        "evaluation runs eager); the first steps pay the compilation; not with `--parallel fsdp2` yet (refused)"))
+    mix_general: float = option(0.0, help=(
+        "share of the training blocks drawn from the general corpus's training split (never its held-out or probe "
+        "blocks), spread evenly over the batches: general-data mixing against forgetting (0 = off; in continual: "
+        "of every task's blocks)"))
+    probe_blocks: int = option(8, help="general blocks used to probe layers and score units")
+    eval_blocks: int = option(16, help="held-out blocks per corpus for evaluation")
+    save_every: int = option(20, help="checkpoint every N steps (0 = never)")
+    seed: int = option(0, help="random seed (data split and order)")
+    bf16: str = option("auto", help="bf16 autocast: auto (GPUs that support it), on (also on the CPU), off")
+    frozen_dtype: str = option("auto", help=(
+        "dtype the weights that do not train are held in during a task: auto (bfloat16 under bf16 autocast, except "
+        "with fsdp2), bfloat16 (needs bf16 autocast; not with fsdp2) or float32; trainable weights, gradients and "
+        "AdamW state stay float32, and everything is float32 again for evaluation, merging and saving"))
+    device: str = option("auto", help="auto, cpu or cuda")
+    parallel: str = option("ddp", help=(
+        "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and optimizer state "
+        "sharded per decoder layer while training; not o_lora, deal, eoupct)"))
+    resume: bool = option(False, help="continue the run in --out from its last checkpoint")
+    overwrite: bool = option(False, help="replace an existing run in --out")
+    data_workers: int = option(0, help=(
+        "processes tokenising a file, folder or saved-dataset corpus (0 = the CPU count, at most 8)"))
+    report_to: str = option("none", help=(
+        "live tracking (Hugging Face's names): `none`, or a comma-separated list of `tensorboard` (event files in "
+        "`--out`/runs), `mlflow` (a local file store in `--out`/mlruns unless `MLFLOW_TRACKING_URI` is set), "
+        "`wandb`, `trackio`; training loss, lr, grad norm, tokens/s, peak memory and ADEPT's rate statistics every "
+        "`--logging-steps` steps, every held-out evaluation, and in `continual` each task's scores and the running "
+        "AA / BWT; rank 0 only; a backend that is not installed is an error before anything trains"))
 
 
-def options_from(cls, overrides: Dict, sequence: bool = False):
-    """`cls` (a TrainOptions subclass) from a dict of options, with every value checked; the
-    method is created once here so that its own options are checked too. RunError on bad input."""
+_COMPOSED: Dict[tuple, type] = {}
+
+
+def with_method_options(base: type, sequence: bool = False) -> type:
+    """The config of a runner: its own options (`base`, a TrainOptions subclass) followed by one
+    field per option of the registered methods it runs (`methods.method_options`; single-domain
+    methods, or sequence methods when `sequence`), named as the flat option, with its default
+    (None where the methods disagree: then the chosen method's, filled in when the config is
+    built). Built again when the registry has grown, so a method added later is offered too."""
+    names = method_names(sequence=True) if sequence else method_names(single_domain=True)
+    key = (base, tuple((name, REGISTRY[name].config_class) for name in names))
+    if key not in _COMPOSED:
+        specs = method_options(names, {f.name for f in fields(base)})
+        extra = [(s.name, s.type if s.default is not None else Optional[s.type],
+                  field(default=s.default, metadata={"help": s.help(), "methods": s})) for s in specs.values()]
+        _COMPOSED[key] = make_dataclass(base.__name__.replace("Options", "Config"), extra, bases=(base,),
+                                        namespace={"__post_init__": _method_defaults, "__module__": base.__module__,
+                                                   "__doc__": base.__doc__})
+    return _COMPOSED[key]
+
+
+def _method_defaults(cfg):
+    """Fill a method option whose methods disagree on its default with the chosen method's (or, when
+    the chosen method does not take it, the first method's)."""
+    for f in fields(cfg):
+        spec = f.metadata.get("methods")
+        if spec is not None and spec.default is None and getattr(cfg, f.name) is None:
+            defaults = spec.defaults
+            setattr(cfg, f.name, defaults.get(cfg.method, next(iter(defaults.values()))))
+
+
+def foreign_options(cls, method: str, given: Collection[str]):
+    """RunError for an option the user gave (`given`: flags, TOML keys) that belongs to other methods
+    than `method` and is not a runner's own."""
+    for f in fields(cls):
+        spec = f.metadata.get("methods")
+        if f.name in given and spec is not None and method not in spec.defaults:
+            owners = list(spec.defaults)
+            raise RunError(f"--{f.name.replace('_', '-')} is an option of {', '.join(owners)}, not of {method}: "
+                           f"choose {'it' if len(owners) == 1 else 'one of them'} with --method, or drop the option")
+
+
+def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection[str] = ()):
+    """`cls` (a runner's config, `with_method_options`) from a dict of options, with every value
+    checked: the runner's here, every method's by building its config (MethodError), the chosen
+    method by creating it once. An option in `given` (what the user gave: flags, TOML keys) that
+    only other methods take is refused (`foreign_options`). RunError on bad input."""
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise RunError(f"unknown option(s): {', '.join(unknown)}")
     check_types(cls, overrides)
     cfg = cls(**overrides)
-    for name in ("block_len", "batch_size", "grad_accum", "steps", "logging_steps", "probe_blocks", "eval_blocks",
-                 "recompute_every", "k"):
+    foreign_options(cls, cfg.method, given)
+    for name in ("block_len", "batch_size", "grad_accum", "steps", "logging_steps", "probe_blocks", "eval_blocks"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm"):
@@ -104,6 +177,8 @@ def options_from(cls, overrides: Dict, sequence: bool = False):
     backends_of(cfg.report_to)  # an unknown or missing backend: an error before anything trains
     check_attention(cfg.attn_implementation, "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda")
     method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
+    for name in (method_names(sequence=True) if sequence else method_names(single_domain=True)):
+        REGISTRY[name].config_class.from_options(cfg)  # the other methods' options: MethodError for a bad value
     if cfg.parallel == "fsdp2" and not method.shardable:
         raise RunError(f"method {cfg.method} cannot train a model sharded by FSDP2 (its hooks need the whole "
                        "weights); use --parallel ddp")
