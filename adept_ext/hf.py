@@ -1,9 +1,17 @@
 """transformers.Trainer integration: any method through `MethodCallback` (a task prepared by
 `adept_ext.prepare`), and ADEPT's decoupled learning rates alone through `ADEPTCallback`
-(docs/methods.md §1.3)."""
+(docs/methods.md §1.3).
+
+Each callback has a `name` (the Trainer rebuilds a callback from it when it resumes a checkpoint
+with `restore_callback_states_from_checkpoint`): the callbacks are registered under their names
+by weak reference only, so the registry keeps no task, model or callback alive. A callback is
+live from its creation until its Trainer's training ends (a MethodCallback: while its task is
+also alive and not finished); a second callback under the name of a live one is refused, so
+Trainers that run side by side take different names."""
 import base64
 import io
-from typing import Dict
+import weakref
+from typing import Dict, Optional
 
 import torch
 from transformers import TrainerCallback
@@ -31,19 +39,48 @@ class MethodCallback(TrainerCallback, ExportableState):
     plus the method's penalty (O-LoRA, DEAL). The method's state travels in the Trainer's
     checkpoints (`ExportableState`, in trainer_state.json): on `resume_from_checkpoint` with
     `TrainingArguments(restore_callback_states_from_checkpoint=True)` the Trainer rebuilds this
-    callback from its `name` (the task registered under it) and the saved state is loaded before
-    the first step."""
+    callback from its `name` (the task of the callback registered under it) and the saved state is
+    loaded before the first step.
 
-    _tasks: Dict[str, Task] = {}
+    The callback holds its task by weak reference: keep the task (its `finish()` ends the
+    training). Two Trainers training at the same time need two names."""
+
+    _live: "weakref.WeakValueDictionary[str, MethodCallback]" = weakref.WeakValueDictionary()
 
     def __init__(self, task: Task = None, name: str = "adept_ext"):
-        if task is None:
-            if name not in MethodCallback._tasks:
+        registered = MethodCallback._live.get(name)
+        if task is None:  # rebuilt by the Trainer from a checkpoint: the registered callback's task
+            task = registered.task_or_none() if registered is not None else None
+            if task is None:
                 raise ValueError(f"MethodCallback {name!r}: no task was registered under this name; "
                                  "pass the task prepared by adept_ext.prepare")
-            task = MethodCallback._tasks[name]
-        MethodCallback._tasks[name] = task
-        self.task, self.name, self.saved_state = task, name, None
+        elif registered is not None and registered.live():
+            raise ValueError(f"MethodCallback {name!r}: another callback under this name is live (its task is not "
+                             f"finished and its training has not ended); give this one another name (two Trainers "
+                             f"at once need two), or finish the other's task first")
+        self.task, self.name, self.saved_state, self.ended = task, name, None, False
+        MethodCallback._live[name] = self
+
+    def task_or_none(self) -> Optional[Task]:
+        return self._task()
+
+    @property
+    def task(self) -> Task:
+        task = self._task()
+        if task is None:
+            raise RuntimeError(f"MethodCallback {self.name!r}: its task was freed; keep the task that "
+                               "adept_ext.prepare returned until training ends (the callback holds it by weak "
+                               "reference) and call its finish() after")
+        return task
+
+    @task.setter
+    def task(self, task: Task):
+        self._task = weakref.ref(task)
+
+    def live(self) -> bool:
+        """Until training ends, while the task is alive and not finished."""
+        task = self._task()
+        return not self.ended and task is not None and not getattr(task, "finished", False)
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
         """The Trainer's `compute_loss_func`: next-token loss of `outputs` plus the method's penalties."""
@@ -55,6 +92,9 @@ class MethodCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         self.task.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the torch optimizer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.ended = True
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.saved_state is not None:  # restored from a checkpoint by the Trainer (after on_train_begin)
@@ -83,22 +123,28 @@ class ADEPTCallback(TrainerCallback, ExportableState):
     The rates' state (scores, step and recompute counts) travels in the Trainer's checkpoints
     (`ExportableState`): on `resume_from_checkpoint` with
     `TrainingArguments(restore_callback_states_from_checkpoint=True)` the Trainer rebuilds the
-    callback from its `name` (the probe batches and rates registered under it) and the saved
-    rates continue.
+    callback from its `name` (the probe batches and rates of the callback registered under it) and
+    the saved rates continue. Callbacks are registered by weak reference (the registry keeps no
+    model alive); a second one under the name of a live one (created, its training not ended) is
+    refused: Trainers that run side by side take different names.
     """
 
-    _live: Dict[str, "ADEPTCallback"] = {}
+    _live: "weakref.WeakValueDictionary[str, ADEPTCallback]" = weakref.WeakValueDictionary()
 
     def __init__(self, probe_batches=None, every: int = 100, mode: str = "abs", normalize: str = "rank",
                  floor: float = 0.1, autocast_dtype="auto", name: str = "adept"):
-        if probe_batches is None:  # rebuilt by the Trainer from a checkpoint: the live one's batches and rates
-            if name not in ADEPTCallback._live:
+        registered = ADEPTCallback._live.get(name)
+        if probe_batches is None:  # rebuilt by the Trainer from a checkpoint: the registered one's batches and rates
+            if registered is None:
                 raise ValueError(f"ADEPTCallback {name!r}: pass probe_batches (no callback was registered under "
                                  "this name)")
-            live = ADEPTCallback._live[name]
-            self.probe_batches, self.decoupled = live.probe_batches, live.decoupled
+            self.probe_batches, self.decoupled = registered.probe_batches, registered.decoupled
         else:
+            if registered is not None and not registered.ended:
+                raise ValueError(f"ADEPTCallback {name!r}: another callback under this name is live (its training "
+                                 f"has not ended); give this one another name (two Trainers at once need two)")
             self.probe_batches, self.decoupled = list(probe_batches), None
+        self.ended = False
         self.every, self.mode, self.normalize, self.floor = every, mode, normalize, floor
         self.autocast_dtype = getattr(torch, autocast_dtype) if autocast_dtype in ("bfloat16", "float16") \
             else autocast_dtype
@@ -146,5 +192,6 @@ class ADEPTCallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(extra)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.ended = True
         if self.decoupled is not None:
             self.decoupled.remove()

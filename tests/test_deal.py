@@ -268,3 +268,42 @@ def test_public_code_variant_runs_on_the_sequence_and_saves_the_adapter(workspac
     assert len(list(out.glob("task-*/deal_adapter.safetensors"))) == 2
     base, saved = (AutoModelForCausalLM.from_pretrained(p) for p in (workspace / "tiny", out / "model"))
     assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), saved.state_dict().values()))
+
+
+def test_public_code_finish_saves_the_adapter_and_reloads_to_the_hooked_models_logits(tmp_path):
+    """finish() without an `out`, then the user's save_pretrained: the base weights and, beside them,
+    the adapter (config.json names it); `load_adapter` on the reloaded model gives the hooked
+    model's logits, after task 1 (s·B·A x) and task 2 (the MLP on the activations)."""
+    import json
+
+    from adept_ext.errors import InputError
+    from adept_ext.methods.deal import ADAPTER_FILE, load_adapter
+    from adept_ext import prepare
+
+    method = get_method(DealConfig(rank=4, variant="public_code"))
+    model, batches, base = tiny_model("llama", layers=2), padded_batches(), tiny_model("llama", layers=2)
+    for t in range(2):
+        task = prepare(model, method, lr=1e-3, total_steps=1, task_index=t, progress=False)
+        with torch.no_grad():  # a trained state
+            for p in task.trainable:
+                p.add_(torch.randn_like(p) * 0.05)
+        model = task.finish()  # out=None: nothing written by the task
+        hooked = logits(model, batches)
+        assert not torch.allclose(hooked, logits(base, batches), atol=1e-3)  # the adapter matters
+        model.save_pretrained(tmp_path / f"task-{t}")
+        saved = tmp_path / f"task-{t}"
+        assert (saved / ADAPTER_FILE).is_file()
+        assert json.loads((saved / "config.json").read_text())["deal_adapter"] == ADAPTER_FILE
+        assert not hasattr(model.config, "deal_adapter")  # only in the saved config
+        reloaded = AutoModelForCausalLM.from_pretrained(saved)
+        torch.testing.assert_close(logits(load_adapter(reloaded, saved), batches), hooked, atol=1e-6, rtol=0)
+        reloaded.save_pretrained(tmp_path / f"again-{t}")  # the reloaded model saves its adapter too
+        again = load_adapter(AutoModelForCausalLM.from_pretrained(tmp_path / f"again-{t}"), tmp_path / f"again-{t}")
+        torch.testing.assert_close(logits(again, batches), hooked, atol=1e-6, rtol=0)
+    # The next task takes the adapter off (its hooks and its saving) and trains from the method's factors.
+    prepare(reloaded, method, lr=1e-3, total_steps=1, task_index=2, progress=False)
+    assert "save_pretrained" not in vars(reloaded) and not hasattr(reloaded, "deal_adapter")
+    with pytest.raises(InputError, match="no DEAL adapter"):
+        load_adapter(tiny_model("llama", layers=2), tmp_path / "nothing")
+    with pytest.raises(InputError, match="does not fit"):
+        load_adapter(tiny_model("llama", layers=1), tmp_path / "task-1")

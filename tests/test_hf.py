@@ -1,4 +1,7 @@
 """ADEPTCallback inside a real transformers.Trainer run on a tiny model."""
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -179,3 +182,67 @@ def test_a_resumed_trainer_continues_any_methods_state(tmp_path):
     assert b.scores == pytest.approx(a.scores, rel=1e-6)
     for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _lora_task(seed=0):
+    method = adept_ext.get_method(adept_ext.methods.LoraMethodConfig(rank=2))
+    return adept_ext.prepare(tiny_model("llama", layers=2, seed=seed), method, lr=1e-3, total_steps=2,
+                             progress=False)
+
+
+def test_callbacks_hold_tasks_and_models_by_weak_reference(tmp_path):
+    """A deleted task (and its model) is freed while its MethodCallback lives; the callback then
+    says so, and its name is free again. An ADEPTCallback's registry keeps no model alive."""
+    task = _lora_task()
+    callback = MethodCallback(task, name="weak")
+    task_ref, model_ref = weakref.ref(task), weakref.ref(task.model)
+    del task
+    gc.collect()
+    assert task_ref() is None and model_ref() is None
+    with pytest.raises(RuntimeError, match="its task was freed"):
+        callback.state()  # what the Trainer asks for at a checkpoint
+    with pytest.raises(ValueError, match="no task was registered"):
+        MethodCallback(name="weak")  # nothing for a Trainer to rebuild from
+    MethodCallback(_lora_task(), name="weak")  # the name is free again
+    del callback
+    gc.collect()
+    assert "weak" not in MethodCallback._live  # nor does the registry keep callbacks
+
+    model = _expanded()
+    callback = ADEPTCallback(padded_batches(n_batches=1, seed=5), every=2, name="weak")
+    trainer = _resumable_trainer(model, tmp_path, callback, stop_at=1)
+    trainer.train()
+    model_ref = weakref.ref(model)
+    del model, trainer, callback
+    gc.collect()
+    assert model_ref() is None and "weak" not in ADEPTCallback._live
+
+
+def test_live_callbacks_need_their_own_names(tmp_path):
+    """A second callback under a live one's name is refused; two under different names train side
+    by side, each its own task, and each Trainer resuming rebuilds its callback with its own task;
+    once a Trainer's training has ended its name can be taken again."""
+    probe = padded_batches(n_batches=1, seed=5)
+    tasks = {}
+    for name in ("first", "second"):
+        method = adept_ext.get_method(AdeptConfig(k=1, recompute_every=3))
+        tasks[name] = adept_ext.prepare(tiny_model("llama", layers=3), method, general_probe=probe, lr=1e-3,
+                                        total_steps=4, progress=False)
+    callbacks = {name: MethodCallback(task, name=name) for name, task in tasks.items()}
+    with pytest.raises(ValueError, match="another callback under this name is live"):
+        MethodCallback(tasks["first"], name="first")
+    adept = ADEPTCallback(probe, name="first")  # another class, another registry
+    with pytest.raises(ValueError, match="another callback under this name is live"):
+        ADEPTCallback(probe, name="first")
+    trainers = {name: _resumable_trainer(task.model, tmp_path / name, callbacks[name], groups=task.param_groups,
+                                         compute_loss=callbacks[name].compute_loss) for name, task in tasks.items()}
+    for trainer in trainers.values():
+        trainer.train()
+    for name, task in tasks.items():
+        assert task.method.decoupled.steps == 4  # each task's rates followed its own Trainer only
+        resumed = _resumable_trainer(task.model, tmp_path / name, MethodCallback(task, name=name),
+                                     groups=task.param_groups)  # allowed: the first's training ended
+        resumed.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-2"))
+        (rebuilt,) = [c for c in resumed.callback_handler.callbacks if isinstance(c, MethodCallback)]
+        assert rebuilt.task is task and rebuilt is not callbacks[name]
+    del adept

@@ -178,3 +178,33 @@ def test_prepare_refuses_impossible_settings_before_touching_the_model():
             adept_ext.prepare(model, method, **kw)
     assert type(model).__name__ == "LlamaForCausalLM"  # not wrapped by PEFT
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["lora", "adept"])
+def test_a_second_prepare_is_refused_until_the_task_is_finished(name):
+    """A model prepared and not finished is refused (unchanged) by a second prepare; the finished
+    model is prepared for the next task as usual (ADEPT: an expanded model, config.adept, trains its
+    copies), and a task finishes once."""
+    from tiny_models import padded_batches
+
+    config = REGISTRY[name].config_class(**({"k": 1} if name == "adept" else {}))
+    method = adept_ext.get_method(config)
+    model, probe = tiny_model("llama", layers=3), padded_batches(n_batches=1)
+    task = adept_ext.prepare(model, method, general_probe=probe, lr=1e-3, total_steps=2, progress=False)
+    task.attach(torch.optim.AdamW(task.param_groups))
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(InputError, match=f"already prepared for a task \\({name}\\) that was not finished"):
+        adept_ext.prepare(model, method, general_probe=probe, lr=1e-3, total_steps=2, progress=False)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[n], p) for n, p in after.items())
+    finished = task.finish()
+    with pytest.raises(InputError, match="finished already"):
+        task.finish()
+    if name == "adept":
+        assert finished.config.adept["expanded_layers"]
+    task = adept_ext.prepare(finished, method, general_probe=probe, lr=1e-3, total_steps=2, progress=False)
+    task.attach(torch.optim.AdamW(task.param_groups))
+    if name == "adept":  # the copies of the first task are trained, none added
+        assert model.config.num_hidden_layers == 4
+        assert task.layers == finished.config.adept["source_layers_before_expansion"]
+    task.finish()

@@ -36,7 +36,7 @@ def test_a_trainer_state_with_code_is_refused_unrun(tmp_path):
     marker, buffer = tmp_path / "ran", io.BytesIO()
     torch.save({"units": Payload(str(marker))}, buffer)
     callback = MethodCallback.__new__(MethodCallback)  # the state restored by the Trainer, as from trainer_state.json
-    callback.task = SimpleNamespace(load_state_dict=lambda state: pytest.fail("loaded"))
+    callback._task = lambda: SimpleNamespace(load_state_dict=lambda state: pytest.fail("loaded"))  # a weak reference
     callback.saved_state = base64.b64encode(buffer.getvalue()).decode("ascii")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         callback.on_step_begin(None, None, None)
