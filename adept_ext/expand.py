@@ -68,7 +68,10 @@ def expand_layers(model, layers: Sequence[int]) -> List[torch.nn.Parameter]:
     """Insert a function-preserving copy after each layer in `layers` (indices of the current
     model), freeze everything else and return the trainable parameters (those of all copies,
     including copies from earlier expansions). Raises ValueError, leaving the model untouched,
-    for non-int, negative, out-of-range or duplicate indices and unsupported (e.g. MoE) models.
+    for non-int, negative, out-of-range or duplicate indices, for an architecture that
+    `models.adapter` refuses (InputError, a ValueError: e.g. Qwen3.5's linear-attention layers),
+    and for a mixture of experts whose `decoder_sparse_step` is not 1 (mixtures of experts with
+    every layer sparse, or dense layers listed in `mlp_only_layers`, are expanded).
     An empty `layers` (k = 0) is a no-op that returns the parameters of existing copies.
     """
     ad = adapter(model)

@@ -1,6 +1,7 @@
-// Host-side helpers of the multi-tensor kernels: work items are (tensor, chunk) pairs of a
-// fixed chunk size, so that partial sums, and therefore results, do not depend on the thread
-// count or the device.
+// Host-side helpers of the multi-tensor kernels (CPU and CUDA): work items are (tensor, chunk)
+// pairs of a fixed chunk size, so that partial sums, and therefore results, do not depend on the
+// thread count (CPU) or on how a list is split into launches (CUDA). The two devices share the
+// chunks but not the order of the sums inside a chunk: they agree to rounding, not bit for bit.
 #pragma once
 #include <ATen/ATen.h>
 #include <vector>

@@ -1,6 +1,10 @@
-// Op schemas of adept_ext and the (empty) Python module that loads them.
-// Backends register their kernels in csrc/cpu/ and csrc/cuda/ with TORCH_LIBRARY_IMPL;
-// argument checks with clear messages live in adept_ext/ops/ (docs/design.md, "Conventions").
+// Op schemas of adept_ext and the (empty) Python module whose import loads them.
+// The CPU and CUDA kernels register with TORCH_LIBRARY_IMPL in csrc/cpu/ and csrc/cuda/; the fakes,
+// the autograd, autocast and ADInplaceOrView kernels in adept_ext/ops/registration.py; the two ops
+// written in Python (linear_cross_entropy_backward, linear_cross_entropy_sum) in
+// adept_ext/ops/cross_entropy.py. The Python wrappers in adept_ext/ops/ check the arguments with
+// clear messages before a kernel runs; the kernels' TORCH_CHECKs are a second line of defence
+// (docs/design.md, "Conventions": arguments are checked in one place).
 #include <Python.h>
 #include <torch/library.h>
 

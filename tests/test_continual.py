@@ -14,6 +14,7 @@ from adept_ext.methods import Context, create, method_names
 from adept_ext.models import load_model
 from adept_ext.data.tasks import answer_scores, instruction_blocks, load_tasks
 from adept_ext.errors import RunError
+from method_spy import TaskSpy, changed_tensors
 from tiny_models import tiny_model, write_sequence_workspace
 
 SEQUENCE_METHODS = method_names(sequence=True)
@@ -68,8 +69,29 @@ def test_instruction_blocks_label_only_the_answer_and_accuracy_is_exact_match(wo
     assert planted["accuracy"] == 0.5
 
 
+def note_method_state(record):
+    """What a task left in its method before `end_task` clears it: EoupCT's memory and how far
+    the task's change lies outside its null space; which of DEAL's filter and update parameters moved."""
+    method = record.method
+    if getattr(method, "memory", None) is not None:
+        record.notes["memory"] = method.memory.k
+        record.notes["orthogonality"] = method.memory.orthogonality_error(record.delta())
+    if getattr(method, "retain", None):
+        ids = {id(p) for p in method.retain + method.updates}
+        record.notes["deal_moved"] = [not torch.equal(a, b) for p, a, b in
+                                      zip(record.task.trainable, record.after, record.before) if id(p) in ids]
+
+
 @pytest.mark.parametrize("method", SEQUENCE_METHODS)
-def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, method):
+def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, monkeypatch, method):
+    """The run's files and 3 x 2 score matrix, and what each method does (a method that trains
+    nothing, or whose own part does nothing, fails): in every task each trainable tensor moves and
+    nothing else does, the text task's held-out loss falls once it is learned, and per method its
+    own effect (every parameter trains; only adapted projections change; the buffer holds the
+    earlier task's blocks; the penalty is positive; per-unit rates; the null-space projection;
+    the filter and update move; each task scored with its own adapter)."""
+    spy = TaskSpy(monkeypatch)
+    spy.at_finish = note_method_state
     report = run(options(workspace, f"out-{method}", method=method), progress=False, log=quiet)
     out = workspace / f"out-{method}"
     for name in ("report.json", "report.md", "matrix.png", "general.png"):
@@ -79,10 +101,51 @@ def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, method):
     assert [t["kind"] for t in report["tasks"]] == ["text", "instruction"]
     assert report["metrics"]["BWT"] is not None and report["trainable_parameters"][0] > 0
     model = AutoModelForCausalLM.from_pretrained(out / "model")
+    base = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
     assert not any("lora" in n for n, _ in model.named_parameters())
+
+    assert len(spy.tasks) == 2
+    for t, record in enumerate(spy.tasks):
+        assert not record.unchanged(), f"task {t + 1}: trainable tensors {record.unchanged()} did not move"
+        assert not record.frozen_changed, f"task {t + 1}: frozen {record.frozen_changed} changed"
+    matrix = report["matrix"]
+    assert matrix[1][0] > matrix[0][0], "the text task's held-out loss did not fall when it was learned"
+    first, second = spy.tasks
+    if method in ("seq_full", "replay"):  # every parameter trains
+        assert not first.frozen and not second.frozen, (sorted(first.frozen)[:3], sorted(second.frozen)[:3])
+    if method in ("seq_lora", "o_lora", "deal", "eoupct"):  # adapters merged: only the adapted projections moved
+        targets = ("gate_proj",) if method == "eoupct" else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj")
+        changed = changed_tensors(model, base)
+        assert changed and all(n.rsplit(".", 2)[-2] in targets for n in changed), changed
+    if method == "replay":  # task 2's blocks: its own and max(1, round(0.5 n)) of task 1's n
+        every, chosen = second.blocks
+        earlier = max(1, round(0.5 * len(every[0])))
+        assert len(chosen) == len(every[1]) + earlier, (len(chosen), len(every[1]), earlier)
+        task_one = {tuple(row) for row in every[0].tensors()["input_ids"].tolist()}
+        assert sum(tuple(row) in task_one for row in chosen.tensors()["input_ids"].tolist()) == earlier
+    if method == "o_lora":  # the orthogonality penalty: nothing to be orthogonal to in task 1, positive in task 2
+        assert first.penalties and all(terms == [] for terms in first.penalties), first.penalties
+        assert second.penalties and all(len(terms) == 1 and terms[0] > 0 for terms in second.penalties), \
+            second.penalties
+    if method == "deal":  # task 2 filters and updates task 1's factors: those parameters move, their penalty > 0
+        assert second.notes["deal_moved"] and all(second.notes["deal_moved"]), second.notes["deal_moved"]
+        assert second.penalties and all(len(terms) == 2 and terms[1] > 0 for terms in second.penalties), \
+            second.penalties
+    if method == "adept_seq":  # per-unit rates: the units' groups step at different rates
+        for record, extras in zip(spy.tasks, report["per_task"]):
+            assert record.step_lrs and all(len(set(lrs)) > 1 for lrs in record.step_lrs), record.step_lrs
+            assert len(set(extras["unit_rates"]["multipliers"].values())) > 1
+    if method == "llama_pro_seq":  # one learning rate
+        assert all(record.step_lrs and all(len(set(lrs)) == 1 for lrs in record.step_lrs) for record in spy.tasks)
+    if method == "eoupct":  # task 2's change is orthogonal to the memory of task 1's
+        assert first.notes["memory"] == 0 and second.notes["memory"] >= 1
+        assert second.notes["orthogonality"] <= 1e-4, second.notes
+    if method == "per_task":  # task 1 is scored with its own adapter after task 2; the saved model is the base
+        assert report["metrics"]["BWT"] == 0 and matrix[2][0] == matrix[1][0]
+        assert changed_tensors(model, base) == []
     if method in ("adept_seq", "llama_pro_seq"):
         assert model.config.num_hidden_layers == 6  # one copy per task
-        base = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
         copies = model.config.adept["expanded_layers"]
         originals = [l for i, l in enumerate(model.model.layers) if i not in copies]
         for a, b in zip(base.model.layers, originals):

@@ -8,11 +8,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig
 
 from adept_ext.continual import ContinualConfig, run
 from adept_ext.methods import Context, EoupCTConfig, MethodError, create, get_method
-from adept_ext.methods.eoupct import student_targets
+from adept_ext.methods import eoupct as eoupct_module
+from adept_ext.methods.eoupct import EoupCT, student_targets
 from adept_ext.methods.lora import lora_adapters, target_modules
+from method_spy import TaskSpy
 from test_continual import options, quiet, workspace  # noqa: F401  (the module-scoped workspace fixture)
 from tiny_models import padded_batches, tiny_model
 
@@ -277,13 +280,52 @@ def test_bad_hyperparameters_are_method_errors_when_the_config_is_built(change, 
         create("eoupct", dataclasses.replace(ContinualConfig(method="eoupct"), **flat_options), sequence=True)
 
 
-def test_every_non_default_option_runs_end_to_end_on_user_task_files(workspace):  # noqa: F811
+def test_every_non_default_option_runs_end_to_end_on_user_task_files(workspace, monkeypatch):  # noqa: F811
+    """One run with every option off its default, each seen where it acts (a method that ignored
+    one, running its default instead, fails): student full (every parameter trains, a frozen
+    teacher copy), proxy embeds (S is the prompt itself: L positions, no generated ones), no_virtual
+    (the prompt search runs at θ itself), no_conflict (no conflict correction), where grad (no
+    update projector), target logits (vocabulary-wide features), memory gpm with 2 directions
+    (2·2 gradient windows, 2 directions added after the first task)."""
+    spy = TaskSpy(monkeypatch)
+    seen = {"conflict_corrections": 0, "virtual_offsets": []}
+    real_correct, real_proxy_loss = eoupct_module.conflict_correct_, EoupCT.proxy_loss
+
+    def counting_correct(*args, **kwargs):
+        seen["conflict_corrections"] += 1
+        return real_correct(*args, **kwargs)
+
+    def proxy_loss(self, seq, target, params=None):
+        if isinstance(params, dict):  # the prompt search's θ_virt: its largest distance from θ
+            seen["virtual_offsets"].append(max(float((params[n].detach() - p.detach()).abs().max())
+                                               for n, p in zip(self.names, self.trainable)))
+        return real_proxy_loss(self, seq, target, params)
+
+    def note(record):
+        m = record.method
+        record.notes.update(teacher=m.teacher is not None, projector=m._projector is not None, windows=len(m.windows),
+                            sequence=tuple(m.cache[0].shape), features=tuple(m.cache[1].shape))
+
+    monkeypatch.setattr(eoupct_module, "conflict_correct_", counting_correct)
+    monkeypatch.setattr(EoupCT, "proxy_loss", proxy_loss)
+    spy.at_finish = note
     change = dict(eoupct_student="full", eoupct_proxy="embeds", eoupct_no_virtual=True, eoupct_no_conflict=True,
                   eoupct_where="grad", eoupct_target="logits", eoupct_memory="gpm", eoupct_directions=2)
     report = run(options(workspace, "eo-options", method="eoupct", **change), progress=False, log=quiet)
     assert len(report["matrix"]) == 3 and report["metrics"]["BWT"] is not None
     assert report["per_task"][0]["summary"].startswith("trains every parameter with EoupCT")
-    assert [p["eoupct"]["memory_directions"] for p in report["per_task"]][0] >= 1
+    config = AutoConfig.from_pretrained(workspace / "tiny")
+    for record in spy.tasks:
+        assert not record.frozen and not any("lora" in n for n in record.names)  # student full
+        assert not record.unchanged()
+        assert record.notes["teacher"]                                            # its teacher: a frozen copy
+        assert record.notes["sequence"] == (1, 16, config.hidden_size)            # proxy embeds (L = 16, M = 0)
+        assert record.notes["features"] == (1, 16, config.vocab_size)             # target logits
+        assert not record.notes["projector"]                                      # where grad
+        assert record.notes["windows"] == 4                                       # memory gpm, directions 2
+    assert [p["eoupct"]["added"] for p in report["per_task"]] == [2, 2]           # memory gpm, directions 2
+    assert seen["virtual_offsets"] and max(seen["virtual_offsets"]) == 0          # no_virtual
+    assert seen["conflict_corrections"] == 0                                      # no_conflict
 
 
 @pytest.mark.parametrize("teacher", ["auto", "base", "task_start"])

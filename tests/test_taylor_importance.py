@@ -328,8 +328,21 @@ def test_error_accumulate_without_out():
         taylor_importance([torch.ones(2)], [torch.ones(2)], accumulate=True)
 
 
-def test_cuda_available_is_a_bool():
-    assert isinstance(adept_ext.cuda_available(), bool)
+def test_every_op_has_a_kernel_on_each_backend_the_build_claims():
+    """cuda_available() (a bool) says whether this build has the CUDA kernels: then every op that
+    csrc/ops.cpp declares has one (a .cu file left out of the build, or an m.impl missing, fails
+    here), else none has; every op has a CPU kernel."""
+    import re
+    from pathlib import Path
+
+    from adept_ext.ops.torch_internals import has_kernel
+
+    names = re.findall(r'm\.def\("(\w+)\(', (Path(__file__).parents[1] / "csrc" / "ops.cpp").read_text())
+    assert len(names) >= 8, names
+    cuda = adept_ext.cuda_available()
+    assert type(cuda) is bool
+    assert [n for n in names if not has_kernel(f"adept_ext::{n}", "CPU")] == []
+    assert [n for n in names if has_kernel(f"adept_ext::{n}", "CUDA") != cuda] == [], f"cuda_available() is {cuda}"
 
 
 def test_raw_ops_are_not_differentiable(device):
