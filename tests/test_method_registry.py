@@ -145,3 +145,18 @@ def test_a_method_option_without_help_text_is_refused(throw_away):
             method_options(["throw_away"])
     finally:
         REGISTRY["throw_away"].config_class = original
+
+
+@pytest.mark.parametrize("argv,owners", [
+    (["continual", "--method", "seq_lora", "--deal-rank", "4"], "deal"),
+    (["continual", "--method", "o_lora", "--eoupct-no-virtual"], "eoupct"),
+    (["run", "--method", "lora", "--normalize", "global"], "adept, adept_no_expand"),
+])
+def test_another_methods_option_is_one_error_line_and_nothing_is_written(argv, owners, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    flag = next(a for a in argv[3:] if a.startswith("--"))
+    assert err == [f"adept-ext: error: {flag} is an option of {owners}, not of {argv[2]}: choose "
+                   f"{'it' if ',' not in owners else 'one of them'} with --method, or drop the option"]
+    assert not out.exists()
