@@ -78,12 +78,23 @@ def loss_path(model, implementation: str = "auto") -> str:
     return f"Hugging Face's loss on the full logits ({why})"
 
 
-def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str = "auto") -> torch.Tensor:
-    """The mean next-token loss of `batch` (input_ids, attention_mask, labels) under `model`
-    (a Hugging Face causal LM, or one wrapped by DDP, FSDP2 or PEFT): fused (see the module
+def labelled_tokens(batches) -> torch.Tensor:
+    """The number of labelled next-token targets in `batches` (labels shifted by one, IGNORE_INDEX
+    not counted), as a tensor on the batches' device (no host read)."""
+    return sum((batch["labels"][..., 1:] != IGNORE_INDEX).sum() for batch in batches)
+
+
+def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str = "auto",
+                    num_items=None) -> torch.Tensor:
+    """The next-token loss of `batch` (input_ids, attention_mask, labels) under `model` (a Hugging
+    Face causal LM, or one wrapped by DDP, FSDP2 or PEFT): the mean over its labelled tokens, or,
+    given `num_items` (Hugging Face's `num_items_in_batch`: the labelled tokens of a whole
+    optimizer step, a number or a tensor), the sum over them / `num_items`, so that micro-batches
+    with different numbers of labelled tokens add up to the step's mean. Fused (see the module
     docstring) for "fused" and for "auto" when `hf_head_reason` is None, else `model(**batch).loss`."""
     if not uses_fused_loss(model, implementation):
-        return model(**batch, use_cache=False).loss
+        extra = {} if num_items is None else {"num_items_in_batch": num_items}
+        return model(**batch, use_cache=False, **extra).loss
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     ad = adapter(base_model(model))
@@ -96,4 +107,4 @@ def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str =
     hidden = caught[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
     total = ad.head_loss_sum(hidden.reshape(-1, hidden.shape[-1]), targets)  # the fused op, Granite's scale on h
-    return total / (targets != IGNORE_INDEX).sum()
+    return total / ((targets != IGNORE_INDEX).sum() if num_items is None else num_items)

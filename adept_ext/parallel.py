@@ -165,6 +165,13 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
     return float(t.item()) / world_size()
 
 
+def sum_over_ranks_(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over all ranks, in place, without reading it on the host (itself in one process)."""
+    if world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
 def barrier(device: Optional[torch.device] = None):
     if world_size() > 1:
         dist.barrier(device_ids=[device.index] if device is not None and device.type == "cuda" else None)

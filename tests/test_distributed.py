@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from adept_ext.lm_loss import next_token_loss
 from adept_ext.probe import layer_importance
 from tiny_models import padded_batches, tiny_model, write_run_workspace
 
@@ -15,6 +16,39 @@ def _probe_worker(rank, world, init_file, result_file):
         torch.save(scores.scores + [scores.base_loss, scores.tokens], f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _step_loss_worker(rank, world, init_file, result_file):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from test_lm_loss import accumulated_step, uneven_rows
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = tiny_model("llama")
+        rows, _ = uneven_rows(STEP_COUNTS)
+        torch.save(accumulated_step(model, rows, 2, "fused", wrapped=DistributedDataParallel(model)),
+                   f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+STEP_COUNTS = (7, 1, 0, 3)  # rank 0 takes rows 0 and 2 (7 labelled tokens), rank 1 rows 1 and 3 (4)
+
+
+def test_a_steps_loss_under_ddp_is_the_mean_over_every_ranks_labelled_tokens(tmp_path):
+    """2 ranks × 2 micro-batches with 7, 1, 0 and 3 labelled tokens: each rank's gradients (DDP's
+    average) and logged loss equal one process's batch of all four rows (the mean over 11 tokens)."""
+    from test_lm_loss import assert_same_grads, grads_of, uneven_rows
+
+    mp.spawn(_step_loss_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    model = tiny_model("llama")
+    want_loss = next_token_loss(model, uneven_rows(STEP_COUNTS)[1], "fused")
+    want = grads_of(model, want_loss)
+    for rank in range(2):
+        loss, grads = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+        assert loss == pytest.approx(float(want_loss.detach()), rel=1e-5)
+        assert_same_grads(grads, want, 1e-5)
 
 
 def test_probe_all_reduces_to_the_single_process_result(tmp_path):

@@ -121,3 +121,57 @@ def test_bf16_autocast_matches_hf_within_bf16_rounding():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, got = model(**batch).loss, next_token_loss(model, batch)
     assert float(got) == pytest.approx(float(want), rel=2e-2)
+
+
+def uneven_rows(counts=(7, 1, 0)):
+    """One-row batches of 8 tokens with `counts` labelled next-token targets each, and the batch of them all."""
+    ids = torch.randint(2, 97, (len(counts), 8), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    for i, n in enumerate(counts):
+        labels[i, :8 - n] = -100  # the first position's label is never a target
+    rows = [{"input_ids": ids[i:i + 1], "attention_mask": torch.ones(1, 8, dtype=torch.long),
+             "labels": labels[i:i + 1]} for i in range(len(counts))]
+    return rows, {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+
+def accumulated_step(model, rows, grad_accum, implementation, wrapped=None):
+    """One `train_steps` step of the full method over `rows` (`grad_accum` micro-batches per rank;
+    `wrapped`: the DDP module to run): (the logged loss, the gradients the optimizer saw)."""
+    from types import SimpleNamespace
+
+    from adept_ext.methods import FullConfig, get_method
+    from adept_ext.methods.task import prepare
+    from adept_ext.training.loop import train_steps
+
+    task = prepare(model, get_method(FullConfig()), lr=1.0, total_steps=1, progress=False,
+                   loss_implementation=implementation)
+    seen = {}
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    optimizer = Recording(task.param_groups, lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    cfg = SimpleNamespace(steps=1, grad_accum=grad_accum, logging_steps=1, max_grad_norm=0.0, batch_size=1,
+                          block_len=8)
+    history = {"train": []}
+    train_steps(wrapped or model, task, optimizer, scheduler, rows, cfg, "cpu", False, history, 0, "step", False,
+                after_step=lambda step: None)
+    return history["train"][0]["loss"], seen["grads"]
+
+
+@pytest.mark.parametrize("implementation", ["fused", "hf"])
+def test_a_steps_loss_is_the_mean_over_its_labelled_tokens(implementation):
+    """`train_steps` with gradient accumulation over micro-batches with 7, 1 and 0 labelled tokens:
+    the step's gradients and logged loss equal one batch of the three rows (the mean over its 8
+    labelled tokens), not the mean of the micro-batches' means (the normalisation before), and the
+    micro-batch without one adds 0 rather than NaN. Under DDP: tests/test_distributed.py."""
+    rows, whole = uneven_rows()
+    model = tiny_model("llama")
+    want_loss = next_token_loss(model, whole, implementation)
+    want = grads_of(model, want_loss)
+    model.zero_grad(set_to_none=True)
+    loss, grads = accumulated_step(model, rows, 3, implementation)
+    assert loss == pytest.approx(float(want_loss.detach()), rel=1e-5)
+    assert_same_grads(grads, want, 1e-5)

@@ -268,12 +268,15 @@ class Method:
         """The training blocks of task `task_index`, given every task's training blocks (default: its own)."""
         return blocks[task_index]
 
-    def loss(self, model, batch, loss_implementation: str = "auto") -> torch.Tensor:
+    def loss(self, model, batch, loss_implementation: str = "auto", num_items=None,
+             micro_batches: int = 1) -> torch.Tensor:
         """The training loss of one micro-batch: the model's next-token loss (`lm_loss.next_token_loss`:
-        fused on a plain linear head unless `loss_implementation` is "hf") plus the `penalties`."""
-        loss = next_token_loss(model, batch, loss_implementation)
+        fused on a plain linear head unless `loss_implementation` is "hf"; with `num_items`, the
+        step's labelled tokens, this batch's share of the step's mean) plus the `penalties`, each
+        divided by `micro_batches` (the step's micro-batches: the penalty counts once per step)."""
+        loss = next_token_loss(model, batch, loss_implementation, num_items)
         for term in self.penalties(getattr(model, "module", model)):  # under DDP: the wrapped model
-            loss = loss + term
+            loss = loss + term / micro_batches
         return loss
 
     def penalties(self, model) -> List[torch.Tensor]:

@@ -427,9 +427,10 @@ class Deal(SeqLora):
                      f"DEAL, the public code's variant (2-D Haar θ on A, MLP on the activations, B frozen) of the "
                      f"rank-{r} LoRA on {len(self.factors)} projections")
 
-    def loss(self, model, batch, loss_implementation: str = "auto") -> torch.Tensor:
+    def loss(self, model, batch, loss_implementation: str = "auto", num_items=None,
+             micro_batches: int = 1) -> torch.Tensor:
         with parametrize.cached():  # each adapted factor computed once per forward
-            return super().loss(model, batch, loss_implementation)
+            return super().loss(model, batch, loss_implementation, num_items, micro_batches)
 
     def penalties(self, model) -> List[torch.Tensor]:
         """λ1·‖θ_retain‖_a^a and λ2·‖θ_update‖_b^b (docs/methods.md §4); in the public code's variant

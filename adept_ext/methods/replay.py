@@ -72,8 +72,8 @@ class Replay(Method):
     def attach(self, optimizer):
         self.base.attach(optimizer)
 
-    def loss(self, model, batch, loss_implementation: str = "auto"):
-        return self.base.loss(model, batch, loss_implementation)
+    def loss(self, model, batch, loss_implementation: str = "auto", num_items=None, micro_batches: int = 1):
+        return self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
 
     def end_task(self, model, out, report):
         return self.base.end_task(model, out, report)

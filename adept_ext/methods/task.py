@@ -71,12 +71,15 @@ class Task:
         for batch in loader:
             yield self.to_device(batch)
 
-    def loss(self, batch: Dict[str, torch.Tensor], model=None) -> torch.Tensor:
+    def loss(self, batch: Dict[str, torch.Tensor], model=None, num_items=None,
+             micro_batches: int = 1) -> torch.Tensor:
         """The method's training loss of one micro-batch (the task loss, fused unless the head needs
         Hugging Face's, plus its penalty, if any); `model`: the module to run when it is wrapped
-        (DDP), else the prepared model."""
+        (DDP), else the prepared model. For gradient accumulation pass `num_items`, the labelled
+        tokens of the optimizer step (`lm_loss.labelled_tokens` over its micro-batches), and
+        `micro_batches`, their number: the step's losses then sum to its mean over every labelled token."""
         return self.method.loss(self.model if model is None else model, self.to_device(batch),
-                                self.loss_implementation)
+                                self.loss_implementation, num_items, micro_batches)
 
     def step_note(self) -> str:
         """What the next optimizer step does besides updating (for a progress bar), or ""."""

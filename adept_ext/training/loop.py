@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 from tqdm.auto import tqdm
 
-from .. import parallel
+from .. import lm_loss, parallel
 from ..data import check_labels
 from ..lm_loss import base_model, next_token_loss
 from ..models import adapter
@@ -122,11 +122,24 @@ class TaskHooks:
         """After the last step, on the model as trained (sharded under FSDP2), before finish."""
 
 
+def step_items(micro_batches, world: int) -> torch.Tensor:
+    """The divisor that makes a step's micro-batch losses sum to the mean over every labelled token
+    of the step on every rank (Hugging Face's `num_items_in_batch`): the labelled tokens over all
+    micro-batches and ranks, at least 1 (a step with none: loss 0, not NaN), / `world`, because the
+    data-parallel engines average the ranks' gradients (and `mean_over_ranks` their losses). On the
+    device: no host read."""
+    count = parallel.sum_over_ranks_(lm_loss.labelled_tokens(micro_batches).to(torch.float32))
+    return count.clamp_min(1) / world
+
+
 def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
                 desc: str, progress: bool, *, after_step, tracker=None, step_offset: int = 0) -> int:
     """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
     batches per step and rank, each through `to_device`; bf16 autocast when `bf16`, gradient
     clipping), the loss from `task.loss`; calls `after_step(step)` after each step. Returns the step.
+    A micro-batch's loss is its share of the step's mean over every labelled token of the step's
+    micro-batches on every rank (`step_items`), so uneven counts (instruction data) weigh each
+    token alike and a micro-batch without one adds 0.
 
     The loss stays on the device, summed over micro-batches and steps, and is read (the steps' one
     host synchronisation; under torchrun a second, the mean over ranks) every `cfg.logging_steps`
@@ -147,11 +160,12 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
                 started = time.perf_counter()
             read = (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.steps
             optimizer.zero_grad(set_to_none=True)
-            for micro in range(cfg.grad_accum):
-                batch = to_device(batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)], device,
-                                  vocab)
+            micro_batches = [to_device(batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)],
+                                       device, vocab) for micro in range(cfg.grad_accum)]
+            num_items = step_items(micro_batches, world)
+            for batch in micro_batches:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = task.loss(batch, model) / cfg.grad_accum
+                    loss = task.loss(batch, model, num_items=num_items, micro_batches=cfg.grad_accum)
                 loss.backward()
                 loss_sum += loss.detach()
             grad_norm = None
