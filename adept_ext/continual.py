@@ -50,8 +50,9 @@ class ContinualOptions(TrainOptions):
     out: str = option("runs/continual", help="output directory")
     method: str = option("seq_lora", help="adaptation method")
     tasks: str = option("builtin", help=(
-        "comma-separated tasks in order: text files/folders, JSONL with 'text' (text task) or with 'prompt'/'answer' "
-        "(instruction task), python-docs, python-source, bbc-topic, sms-spam, rt-sentiment, parl-language; or "
+        "comma-separated tasks in order, each SOURCE or NAME=SOURCE: text files/folders, JSONL with 'text' (text "
+        "task) or with 'prompt'/'completion' or 'prompt'/'answer' (instruction task), python-docs, python-source, "
+        "bbc-topic, sms-spam, rt-sentiment, parl-language; or "
         "builtin (python-docs, python-source, bbc-topic) or classification (bbc-topic, sms-spam, rt-sentiment, "
         "parl-language)"))
     general: str = option("bbc-news", help=(

@@ -252,7 +252,13 @@ def test_replay_mixes_views_into_the_blocks_the_tensor_mixture_gave(workspace):
 @pytest.mark.parametrize("change,message", [
     (dict(tasks="/nonexistent.txt"), "no such file"),
     (dict(tasks="EMPTY"), "holds no text"),
-    (dict(tasks="BAD"), "needs a string 'prompt'"),
+    (dict(tasks="BAD"), "bad.jsonl:1: the record matches no format (its fields: ['prompt'])"),
+    (dict(tasks="AMBIGUOUS"), "ambiguous.jsonl:1: the record matches text and prompt/answer"),
+    (dict(tasks="MIXED"), "mixed.jsonl:2: a prompt/completion record in a file whose first record is prompt/answer"),
+    (dict(tasks="EMPTYANSWER"), "emptyanswer.jsonl:1: an instruction record needs a string 'prompt' and a non-empty "
+                                "'completion'"),
+    (dict(tasks="CHAT"), "chat.jsonl:1: the messages format is not read yet"),
+    (dict(tasks="=NONAME"), "give a named task as NAME=SOURCE, both non-empty"),
     (dict(tasks="DUP"), "duplicate task name"),
     (dict(tasks="ONE"), "at least 2 are needed"),
     (dict(method="adept"), "does not learn task sequences"),
@@ -266,7 +272,15 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(workspace, tmp_path, c
     (tmp_path / "empty.txt").write_text("  ")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
     (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "x", "answer": "y"}) + "\n")
+    (tmp_path / "ambiguous.jsonl").write_text(json.dumps({"text": "t", "prompt": "x", "answer": "y"}) + "\n")
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"prompt": "x", "answer": "y"}) + "\n"
+                                          + json.dumps({"prompt": "x", "completion": "y"}) + "\n")
+    (tmp_path / "emptyanswer.jsonl").write_text(json.dumps({"prompt": "x", "completion": " "}) + "\n")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     names = {"EMPTY": str(tmp_path / "empty.txt"), "BAD": str(tmp_path / "bad.jsonl"),
+             "AMBIGUOUS": str(tmp_path / "ambiguous.jsonl"), "MIXED": str(tmp_path / "mixed.jsonl"),
+             "EMPTYANSWER": str(tmp_path / "emptyanswer.jsonl"), "CHAT": str(tmp_path / "chat.jsonl"),
+             "=NONAME": f"={workspace / 'docs.txt'}",
              "ONE": str(tmp_path / "one.jsonl"), "DUP": f"{workspace / 'docs.txt'},{workspace / 'docs.txt'}"}
     change = {k: names.get(v, v) if isinstance(v, str) else v for k, v in change.items()}
     out = tmp_path / "o"
@@ -343,3 +357,30 @@ def test_mix_general_puts_general_training_blocks_into_every_task(workspace, mon
         assert [r for r in trained if r not in general] == own
         mixed = [r for r in trained if r in general]
         assert not set(mixed) & probe and 0.2 <= len(mixed) / len(trained) <= 0.3
+
+
+def test_prompt_completion_records_and_named_tasks(workspace, tmp_path):
+    """TRL's prompt/completion records make the same instruction blocks as prompt/answer ones; two
+    files with one stem run as NAME=SOURCE tasks under their names (without names: a duplicate)."""
+    from adept_ext.data.tasks import load_tasks
+    from adept_ext.errors import InputError
+    from adept_ext.models import load_model
+
+    tokenizer = load_model(str(workspace / "tiny"))[1]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    records = [json.loads(line) for line in (workspace / "topics.jsonl").read_text().splitlines()]
+    (tmp_path / "a" / "train.jsonl").write_text((workspace / "topics.jsonl").read_text())
+    (tmp_path / "b" / "train.jsonl").write_text("\n".join(json.dumps({"prompt": r["prompt"], "completion": r["answer"]})
+                                                          for r in records))
+    with pytest.raises(InputError, match="duplicate task name"):
+        load_tasks(f"{tmp_path / 'a' / 'train.jsonl'},{tmp_path / 'b' / 'train.jsonl'}", tokenizer, 32, 0)
+    answer, completion = load_tasks(f"answers={tmp_path / 'a' / 'train.jsonl'}, completions = "
+                                    f"{tmp_path / 'b' / 'train.jsonl'}", tokenizer, 32, 0)
+    assert (answer.name, completion.name) == ("answers", "completions")
+    assert answer.kind == completion.kind == "instruction"
+    for split in ("train", "held"):
+        a, c = getattr(answer, split), getattr(completion, split)
+        assert len(a) == len(c) > 0
+        (a_rows,), (c_rows,) = list(a.batches(len(a))), list(c.batches(len(c)))
+        assert all(torch.equal(a_rows[key], c_rows[key]) for key in ("input_ids", "attention_mask", "labels"))

