@@ -59,6 +59,11 @@ class ContinualOptions(TrainOptions):
         "general-domain corpus, held out from every task: text file, folder, JSONL with 'text', or bbc-news / "
         "python-docs"))
     eval_blocks: int = option(16, help="held-out blocks (text) or examples (instruction) per task")
+    chat_template: str = option("", help=(
+        "a Jinja chat template file for the conversational tasks (messages, alpaca, sharegpt records) instead of "
+        "the tokenizer's (needed when it has none)"))
+    train_on_prompt: bool = option(False, help=(
+        "train instruction and conversational tasks on every token, not only the completion / assistant turns"))
 
 
 def continual_config_class() -> type:
@@ -72,7 +77,10 @@ ContinualConfig = continual_config_class()  # the built-in methods'; a method re
 def config_from(overrides: Dict, given: Collection[str] = ()) -> ContinualConfig:
     """A checked ContinualConfig (RunError on bad input); `given`: the options the user gave (an
     option of another method among them is refused)."""
-    return options_from(continual_config_class(), overrides, sequence=True, given=given)
+    cfg = options_from(continual_config_class(), overrides, sequence=True, given=given)
+    if cfg.chat_template and not Path(cfg.chat_template).is_file():
+        raise RunError(f"--chat-template {cfg.chat_template}: no such file")
+    return cfg
 
 
 def metrics(matrix: List[List[float]]) -> Dict[str, Optional[float]]:
@@ -139,7 +147,8 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         loss = loss_path(model, cfg.loss_implementation)
         workers = data_workers(cfg)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
-            tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed, workers)
+            tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed, workers, cfg.chat_template,
+                               cfg.train_on_prompt)
             general = general_blocks(cfg.general, tokenizer, cfg.block_len, workers)
             g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
     except (FileNotFoundError, InputError) as e:

@@ -257,7 +257,8 @@ def test_replay_mixes_views_into_the_blocks_the_tensor_mixture_gave(workspace):
     (dict(tasks="MIXED"), "mixed.jsonl:2: a prompt/completion record in a file whose first record is prompt/answer"),
     (dict(tasks="EMPTYANSWER"), "emptyanswer.jsonl:1: an instruction record needs a string 'prompt' and a non-empty "
                                 "'completion'"),
-    (dict(tasks="CHAT"), "chat.jsonl:1: the messages format is not read yet"),
+    (dict(tasks="CHAT"), "chat.jsonl:1: the conversation has no assistant turn to train on"),
+    (dict(chat_template="/nonexistent.jinja"), "--chat-template /nonexistent.jinja: no such file"),
     (dict(tasks="=NONAME"), "give a named task as NAME=SOURCE, both non-empty"),
     (dict(tasks="DUP"), "duplicate task name"),
     (dict(tasks="ONE"), "at least 2 are needed"),
@@ -384,3 +385,17 @@ def test_prompt_completion_records_and_named_tasks(workspace, tmp_path):
         assert len(a) == len(c) > 0
         (a_rows,), (c_rows,) = list(a.batches(len(a))), list(c.batches(len(c)))
         assert all(torch.equal(a_rows[key], c_rows[key]) for key in ("input_ids", "attention_mask", "labels"))
+
+
+def test_a_conversational_task_trains_on_its_assistant_turns(workspace, tmp_path):
+    """A `messages` JSONL task runs in the sequence (rendered with the tokenizer's ChatML template):
+    its held-out answer loss (the assistant turns) falls when it is learned."""
+    chats = [{"messages": [{"role": "user", "content": f"Colour number {i}?"},
+                           {"role": "assistant", "content": ["red", "green", "blue"][i % 3]}]} for i in range(12)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
+    tasks = f"{workspace / 'docs.txt'},{tmp_path / 'chat.jsonl'}"  # the template adds a system prompt: 64 tokens
+    report = run(options(workspace, "chat", method="seq_full", tasks=tasks, steps=4, block_len=64), progress=False,
+                 log=quiet)
+    rows = report["rows"]
+    assert report["tasks"][1]["kind"] == "instruction" and report["tasks"][1]["name"] == "chat"
+    assert rows[2]["details"][1]["answer_loss"] < rows[0]["details"][1]["answer_loss"]

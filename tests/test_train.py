@@ -275,6 +275,8 @@ OPTIONS = {
     "streaming": Opt(True),
     "mix_general": Opt(0.25, 1.0, "mix_general must be in [0, 1)"),
     "tasks": Opt("python-docs,bbc-topic", "{missing}", "no such file or folder", TINY[:2], runtime=True),
+    "chat_template": Opt("{file}", "{missing}", "--chat-template"),
+    "train_on_prompt": Opt(True),
     "replay_fraction": Opt(0.5, 0.0, "replay_fraction must be in (0, 1]"),
     "replay_base": Opt("lora", "bogus", "replay_base must be one of"),
     "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0"),

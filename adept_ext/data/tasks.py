@@ -25,6 +25,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from ..errors import InputError
+from .chat import chat_blocks, messages_of
+from .chat import chat_template as chat_template_of
 from .blocks import BlockSet, TensorBlocks, batches, pad_rows, split_views, token_blocks
 from .large_corpus import corpus_blocks
 from .sources import (BUILTIN_CORPORA, bbc_news_labelled, jsonl_records, parliament_speeches_labelled,
@@ -38,7 +40,7 @@ RECORD_FORMATS = {"text": {"text"}, "prompt/completion": {"prompt", "completion"
                   "prompt/answer": {"prompt", "answer"}, "messages": {"messages"}, "alpaca": {"instruction", "output"},
                   "sharegpt": {"conversations"}}
 INSTRUCTION_FORMATS = {"prompt/completion": "completion", "prompt/answer": "answer"}
-NOT_READ_YET = ("messages", "alpaca", "sharegpt")  # conversational formats: they need the chat template
+CONVERSATIONAL_FORMATS = ("messages", "alpaca", "sharegpt")  # rendered with the chat template (`chat`)
 TOPIC_WORDS = 60  # words of an article in a bbc-topic prompt
 PROMPT_WORDS = 40  # words of a message, review or speech in the classification tasks' prompts
 
@@ -122,27 +124,32 @@ def record_format(record, where: str) -> str:
         formats = "; ".join(f"{name} ({', '.join(sorted(keys))})" for name, keys in RECORD_FORMATS.items())
         raise InputError(f"{where}: the record {found} (its fields: {fields}); a record has the fields of exactly "
                          f"one of: {formats}")
-    if matched[0] in NOT_READ_YET:
-        raise InputError(f"{where}: the {matched[0]} format is not read yet; give the examples as prompt/completion "
-                         f"records")
     return matched[0]
 
 
-def read_examples(path: Path) -> List[Tuple[str, str]]:
-    """(prompt, answer) pairs of an instruction JSONL (`prompt`/`completion`, TRL's, or `prompt`/`answer`;
-    every record of one format); InputError naming the file and line otherwise."""
-    examples, first = [], None
+def read_examples(path: Path) -> Tuple[str, list, List[str]]:
+    """(format, examples, where) of an instruction JSONL, every record of one format: (prompt,
+    answer) pairs for `prompt`/`completion` (TRL's) and `prompt`/`answer`, conversations
+    (`chat.messages_of`) for `messages`, alpaca and sharegpt; `where`: each example's file:line.
+    InputError naming the file and line otherwise."""
+    examples, first, where = [], None, []
     for n, record in jsonl_records(path):
         kind = record_format(record, f"{path}:{n}")
         first = first or kind
         if kind != first:
             raise InputError(f"{path}:{n}: a {kind} record in a file whose first record is {first}")
+        where.append(f"{path}:{n}")
+        if kind in CONVERSATIONAL_FORMATS:
+            examples.append(messages_of(record, kind, where[-1]))
+            continue
+        if kind == "text":
+            raise InputError(f"{path}:{n}: a text record in an instruction file")
         prompt, answer = record["prompt"], record[INSTRUCTION_FORMATS[kind]]
         if not (isinstance(prompt, str) and isinstance(answer, str) and answer.strip()):
             raise InputError(f"{path}:{n}: an instruction record needs a string 'prompt' and a non-empty "
                              f"'{INSTRUCTION_FORMATS[kind]}'")
         examples.append((prompt, answer))
-    return examples
+    return first, examples, where
 
 
 def topic_examples() -> List[Tuple[str, str]]:
@@ -159,9 +166,10 @@ def jsonl_kind(path: Path) -> str:
     return "text"  # empty: corpus_blocks says so
 
 
-def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len: int) -> Dict[str, torch.Tensor]:
+def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len: int,
+                       train_on_prompt: bool = False) -> Dict[str, torch.Tensor]:
     """One right-padded block per example: prompt tokens (cut from the left to fit), answer tokens
-    and EOS, labels only on the answer and EOS."""
+    and EOS, labels only on the answer and EOS (on every token with `train_on_prompt`)."""
     eos = tokenizer.eos_token_id
     rows, answer_starts = [], []
     for prompt, answer in examples:
@@ -175,18 +183,21 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     input_ids, attention_mask = pad_rows(rows, pad, block_len)
     positions = torch.arange(block_len)
-    labelled = (positions >= torch.tensor(answer_starts)[:, None]) & (attention_mask == 1)
+    labelled = ((positions >= torch.tensor(answer_starts)[:, None]) | train_on_prompt) & (attention_mask == 1)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "labels": input_ids.masked_fill(~labelled, -100)}
 
 
-def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> Task:
+def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",
+              train_on_prompt: bool = False) -> Task:
     """The task named or stored at `source`, or `name=source` to name it (see the module
     docstring; default: the built-in name or the file stem): a text task's file, folder
     or saved dataset is tokenised through Hugging Face datasets by `workers` processes, cached on
-    disk and memory-mapped (`corpus_blocks`); instruction examples are held in memory.
-    InputError/FileNotFoundError for a missing, empty or malformed source, or one with too
-    little data to hold any out."""
+    disk and memory-mapped (`corpus_blocks`); instruction examples are held in memory;
+    conversational records are rendered with `chat_template` (a file; default: the tokenizer's) and
+    labelled on the assistant turns, instruction records on the answer (everything with
+    `train_on_prompt`). InputError/FileNotFoundError for a missing, empty or malformed source, or
+    one with too little data to hold any out."""
     given_name, named, rest = source.partition("=")
     if named and "/" not in given_name:  # NAME=SOURCE (a path may hold "=" in a folder's name)
         if not (given_name.strip() and rest.strip()):
@@ -195,6 +206,7 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
     else:
         given_name = ""
     path = Path(source)
+    record_kind, where = "prompt/answer", ()  # the built-in instruction tasks' form
     if source == "bbc-topic":
         kind, name, examples = "instruction", source, topic_examples()
     elif source in CLASSIFICATION_TASKS:
@@ -202,26 +214,31 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
     elif source in BUILTIN_CORPORA:
         kind, name, examples = "text", source, None
     elif path.suffix == ".jsonl" and path.is_file() and jsonl_kind(path) == "instruction":
-        kind, name, examples = "instruction", path.stem, read_examples(path)
+        kind, name, (record_kind, examples, where) = "instruction", path.stem, read_examples(path)
     else:
         kind, name, examples = "text", path.stem or path.name, None
     name = given_name or name
     if kind == "instruction":
         if len(examples) < 2:
             raise InputError(f"task {name!r}: {len(examples)} example(s); at least 2 are needed to hold one out")
-        blocks = TensorBlocks(instruction_blocks(examples, tokenizer, block_len))
+        if record_kind in CONVERSATIONAL_FORMATS:
+            template = chat_template_of(tokenizer, chat_template)
+            blocks = TensorBlocks(chat_blocks(examples, tokenizer, block_len, template, train_on_prompt, where))
+        else:
+            blocks = TensorBlocks(instruction_blocks(examples, tokenizer, block_len, train_on_prompt))
     else:
         blocks = corpus_blocks(source, tokenizer, block_len, workers)
     return Task(name, kind, *split_views(blocks, seed, f"task {name!r}"))
 
 
-def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1) -> List[Task]:
+def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",
+               train_on_prompt: bool = False) -> List[Task]:
     """The tasks of `--tasks` (comma-separated sources, or a sequence name of SEQUENCES: `builtin`,
     `classification`), in order; ValueError for an empty list or duplicate names."""
     sources = list(SEQUENCES[spec]) if spec in SEQUENCES else [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
         raise InputError("--tasks names no task")
-    tasks = [load_task(s, tokenizer, block_len, seed, workers) for s in sources]
+    tasks = [load_task(s, tokenizer, block_len, seed, workers, chat_template, train_on_prompt) for s in sources]
     names = [t.name for t in tasks]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
