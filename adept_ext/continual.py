@@ -59,11 +59,6 @@ class ContinualOptions(TrainOptions):
         "general-domain corpus, held out from every task: text file, folder, JSONL with 'text', or bbc-news / "
         "python-docs"))
     eval_blocks: int = option(16, help="held-out blocks (text) or examples (instruction) per task")
-    chat_template: str = option("", help=(
-        "a Jinja chat template file for the conversational tasks (messages, alpaca, sharegpt records) instead of "
-        "the tokenizer's (needed when it has none)"))
-    train_on_prompt: bool = option(False, help=(
-        "train instruction and conversational tasks on every token, not only the completion / assistant turns"))
 
 
 def continual_config_class() -> type:
@@ -77,10 +72,7 @@ ContinualConfig = continual_config_class()  # the built-in methods'; a method re
 def config_from(overrides: Dict, given: Collection[str] = ()) -> ContinualConfig:
     """A checked ContinualConfig (RunError on bad input); `given`: the options the user gave (an
     option of another method among them is refused)."""
-    cfg = options_from(continual_config_class(), overrides, sequence=True, given=given)
-    if cfg.chat_template and not Path(cfg.chat_template).is_file():
-        raise RunError(f"--chat-template {cfg.chat_template}: no such file")
-    return cfg
+    return options_from(continual_config_class(), overrides, sequence=True, given=given)
 
 
 def metrics(matrix: List[List[float]]) -> Dict[str, Optional[float]]:

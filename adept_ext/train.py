@@ -30,6 +30,7 @@ import torch
 from . import data, parallel
 from .errors import InputError, RunError
 from .lens import Diagnosis, diagnose
+from .data.tasks import corpus_or_examples, is_instruction_file
 from .lens_inputs import context_query_task, fewshot_topic_task
 from .methods import create, method_names
 from .methods.base import option
@@ -112,8 +113,8 @@ class Corpora:
 
     def _packed(self, cfg, tokenizer):
         workers = data_workers(cfg)
-        general, domain = (data.corpus_blocks(source, tokenizer, cfg.block_len, workers)
-                           for source in (cfg.general, cfg.domain))
+        general, domain = (corpus_or_examples(source, tokenizer, cfg.block_len, workers, cfg.chat_template,
+                                              cfg.train_on_prompt) for source in (cfg.general, cfg.domain))
         g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
         d_train, d_held = data.split_views(domain, cfg.seed, "the domain corpus")
         b = cfg.batch_size
@@ -126,6 +127,10 @@ class Corpora:
         self.domain_probe = list(d_train.first(cfg.probe_blocks).batches(b))  # placements
 
     def _streamed(self, cfg, tokenizer):
+        for source in (cfg.general, cfg.domain):
+            if is_instruction_file(source):
+                raise InputError(f"{source}: instruction and conversational records are read whole, one block per "
+                                 f"example; --streaming reads text corpora")
         general, domain = (data.BlockStream(source, tokenizer, cfg.block_len) for source in (cfg.general, cfg.domain))
         e, b = cfg.eval_blocks, cfg.batch_size
         g = general.take(e + max(cfg.probe_blocks, cfg.diagnosis_queries))

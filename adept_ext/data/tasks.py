@@ -188,6 +188,33 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
             "labels": input_ids.masked_fill(~labelled, -100)}
 
 
+def is_instruction_file(source: str) -> bool:
+    """Whether `source` is a JSONL file of instruction or conversational records (`jsonl_kind`)."""
+    path = Path(source)
+    return path.suffix == ".jsonl" and path.is_file() and jsonl_kind(path) == "instruction"
+
+
+def instruction_file_blocks(path: Path, tokenizer, block_len: int, chat_template: str = "",
+                            train_on_prompt: bool = False) -> TensorBlocks:
+    """One block per record of an instruction or conversational JSONL (`read_examples`):
+    `instruction_blocks` for prompt/completion and prompt/answer records, `chat.chat_blocks`
+    (the template: `chat_template`, a file, else the tokenizer's) for conversations."""
+    record_kind, examples, where = read_examples(path)
+    if record_kind in CONVERSATIONAL_FORMATS:
+        template = chat_template_of(tokenizer, chat_template)
+        return TensorBlocks(chat_blocks(examples, tokenizer, block_len, template, train_on_prompt, where))
+    return TensorBlocks(instruction_blocks(examples, tokenizer, block_len, train_on_prompt))
+
+
+def corpus_or_examples(source: str, tokenizer, block_len: int, workers: int = 1, chat_template: str = "",
+                       train_on_prompt: bool = False) -> BlockSet:
+    """A runner's corpus: an instruction or conversational JSONL as one labelled block per example
+    (`instruction_file_blocks`), anything else as `corpus_blocks` reads it."""
+    if is_instruction_file(source):
+        return instruction_file_blocks(Path(source), tokenizer, block_len, chat_template, train_on_prompt)
+    return corpus_blocks(source, tokenizer, block_len, workers)
+
+
 def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",
               train_on_prompt: bool = False) -> Task:
     """The task named or stored at `source`, or `name=source` to name it (see the module
@@ -206,28 +233,26 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
     else:
         given_name = ""
     path = Path(source)
-    record_kind, where = "prompt/answer", ()  # the built-in instruction tasks' form
     if source == "bbc-topic":
         kind, name, examples = "instruction", source, topic_examples()
     elif source in CLASSIFICATION_TASKS:
         kind, name, examples = "instruction", source, CLASSIFICATION_TASKS[source].examples()
     elif source in BUILTIN_CORPORA:
         kind, name, examples = "text", source, None
-    elif path.suffix == ".jsonl" and path.is_file() and jsonl_kind(path) == "instruction":
-        kind, name, (record_kind, examples, where) = "instruction", path.stem, read_examples(path)
+    elif is_instruction_file(source):
+        kind, name, examples = "instruction", path.stem, None
     else:
         kind, name, examples = "text", path.stem or path.name, None
     name = given_name or name
-    if kind == "instruction":
-        if len(examples) < 2:
-            raise InputError(f"task {name!r}: {len(examples)} example(s); at least 2 are needed to hold one out")
-        if record_kind in CONVERSATIONAL_FORMATS:
-            template = chat_template_of(tokenizer, chat_template)
-            blocks = TensorBlocks(chat_blocks(examples, tokenizer, block_len, template, train_on_prompt, where))
+    if kind == "text":
+        blocks = corpus_blocks(source, tokenizer, block_len, workers)
+    else:
+        if examples is None:  # a JSONL file's records
+            blocks = instruction_file_blocks(path, tokenizer, block_len, chat_template, train_on_prompt)
         else:
             blocks = TensorBlocks(instruction_blocks(examples, tokenizer, block_len, train_on_prompt))
-    else:
-        blocks = corpus_blocks(source, tokenizer, block_len, workers)
+        if len(blocks) < 2:
+            raise InputError(f"task {name!r}: {len(blocks)} example(s); at least 2 are needed to hold one out")
     return Task(name, kind, *split_views(blocks, seed, f"task {name!r}"))
 
 

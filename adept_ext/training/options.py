@@ -78,6 +78,11 @@ class TrainOptions:
     overwrite: bool = option(False, help="replace an existing run in --out")
     data_workers: int = option(0, help=(
         "processes tokenising a file, folder or saved-dataset corpus (0 = the CPU count, at most 8)"))
+    chat_template: str = option("", help=(
+        "a Jinja chat template file for conversational data (messages, alpaca, sharegpt records) instead of the "
+        "tokenizer's (needed when it has none)"))
+    train_on_prompt: bool = option(False, help=(
+        "train instruction and conversational data on every token, not only the completions / assistant turns"))
     report_to: str = option("none", help=(
         "live tracking (Hugging Face's names): `none`, or a comma-separated list of `tensorboard` (event files in "
         "`--out`/runs), `mlflow` (a local file store in `--out`/mlruns unless `MLFLOW_TRACKING_URI` is set), "
@@ -174,6 +179,8 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     if cfg.compile and cfg.parallel == "fsdp2":
         raise RunError("--compile with --parallel fsdp2 is not supported yet (FSDP2's all-gather hooks would be "
                        "traced inside each compiled layer); use --compile with ddp, or fsdp2 without --compile")
+    if cfg.chat_template and not os.path.isfile(cfg.chat_template):
+        raise RunError(f"--chat-template {cfg.chat_template}: no such file")
     backends_of(cfg.report_to)  # an unknown or missing backend: an error before anything trains
     check_attention(cfg.attn_implementation, "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda")
     method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
