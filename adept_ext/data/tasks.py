@@ -173,7 +173,8 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
     eos = tokenizer.eos_token_id
     rows, answer_starts = [], []
     for prompt, answer in examples:
-        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        a += [eos] if eos is not None and a[-1:] != [eos] else []  # never a second EOS (as TRL)
         if len(a) >= block_len:
             raise InputError(f"an answer of {len(a)} tokens does not fit a block of {block_len}")
         p = (tokenizer(prompt, add_special_tokens=False)["input_ids"][-(block_len - len(a)):]
