@@ -34,7 +34,7 @@ COMMON = ("model", "out", "block_len", "batch_size", "seed", "device", "overwrit
 OPTIONS = {  # the options each command shows and takes; run/train/continual take all of their config's
     "probe": (*COMMON, "general", "k", "probe_blocks"),
     "expand": (*COMMON, "general", "k", "probe_blocks"),
-    "eval": (*COMMON, "general", "domain", "eval_blocks"),
+    "eval": (*COMMON, "general", "domain", "domain_eval", "eval_blocks"),
     "diagnose": (*COMMON, "general", "domain", "k", "probe_blocks", "eval_blocks", "diagnosis_task",
                  "diagnosis_queries"),
 }

@@ -55,6 +55,9 @@ class RunOptions(TrainOptions):
     general: str = option("bbc-news", help=(
         "general-domain corpus: text file, folder, JSONL with 'text', or bbc-news / python-docs"))
     domain: str = option("python-docs", help="domain corpus to adapt to (same forms as --general)")
+    domain_eval: str = option("", help=(
+        "a fixed held-out set for the domain (TRL's eval_dataset; same forms as --domain): its first --eval-blocks "
+        "blocks are evaluated and every block of --domain trains; default: a random tenth of --domain held out"))
     # 4 and 8 probe blocks choose the same layers of the embedded model at half the probe's time
     probe_blocks: int = option(4, help="general blocks used to probe layers and score units")
     eval_every: int = option(20, help="held-out evaluation every N steps (0 = only at the end)")
@@ -90,6 +93,8 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
         raise RunError(f"eval_every must be >= 0 (0 = only at the end), got {cfg.eval_every}")
     if cfg.diagnosis_queries < 1:
         raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
+    if cfg.domain_eval and not (cfg.domain_eval in data.BUILTIN_CORPORA or Path(cfg.domain_eval).exists()):
+        raise RunError(f"--domain-eval {cfg.domain_eval}: no such file or folder")
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     return cfg
@@ -116,7 +121,12 @@ class Corpora:
         general, domain = (corpus_or_examples(source, tokenizer, cfg.block_len, workers, cfg.chat_template,
                                               cfg.train_on_prompt) for source in (cfg.general, cfg.domain))
         g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
-        d_train, d_held = data.split_views(domain, cfg.seed, "the domain corpus")
+        if cfg.domain_eval:
+            d_train = data.shuffled_view(domain, cfg.seed)
+            d_held = data.BlockSet(corpus_or_examples(cfg.domain_eval, tokenizer, cfg.block_len, workers,
+                                                      cfg.chat_template, cfg.train_on_prompt))
+        else:
+            d_train, d_held = data.split_views(domain, cfg.seed, "the domain corpus")
         b = cfg.batch_size
         self.general_probe = list(g_train.first(cfg.probe_blocks).batches(b))
         self.general_context = list(g_train.first(cfg.diagnosis_queries).batches(b))  # diagnosis
@@ -127,6 +137,9 @@ class Corpora:
         self.domain_probe = list(d_train.first(cfg.probe_blocks).batches(b))  # placements
 
     def _streamed(self, cfg, tokenizer):
+        if cfg.domain_eval:
+            raise InputError("--streaming holds out the first --eval-blocks of the domain stream; --domain-eval "
+                             "names a held-out set of its own: drop one of them")
         for source in (cfg.general, cfg.domain):
             if is_instruction_file(source):
                 raise InputError(f"{source}: instruction and conversational records are read whole, one block per "

@@ -266,6 +266,7 @@ OPTIONS = {
     "report_to": Opt("tensorboard", "tensorboard,bogus", "report_to must be none or a comma-separated list"),
     "general": Opt("python-docs", "{missing}", "no such file or folder", TINY[:2], runtime=True),
     "domain": Opt("bbc-news", "{missing}", "no such file or folder", TINY[:4], runtime=True),
+    "domain_eval": Opt("{domain}", "{missing}", "--domain-eval"),
     "layers": Opt("1,2", "x,y", "--layers must be comma-separated layer indices"),
     "placement": Opt("uniform", "bogus", "placement must be one of"),
     "eval_every": Opt(5, -1, "eval_every must be >= 0"),
@@ -850,3 +851,26 @@ def test_a_conversational_domain_trains_the_same_in_every_format(workspace, tmp_
     with pytest.raises(RunError, match="--streaming reads text corpora"):
         run(options(workspace, f"chat-{method}-stream", method=method, block_len=64, streaming=True,
                     domain=str(tmp_path / "messages.jsonl")), progress=False, log=lambda *a: None)
+
+
+def test_a_fixed_domain_eval_set_is_held_out_and_every_domain_block_trains(workspace, tmp_path):
+    """--domain-eval FILE (TRL's eval_dataset): the held-out domain blocks are that file's, every block
+    of --domain trains (in the seed's order), and the report's domain loss is measured on it."""
+    from adept_ext.data import corpus_blocks
+    from adept_ext.models import load_model
+    from adept_ext.train import Corpora
+    from adept_ext.training import evaluate
+
+    (tmp_path / "eval.txt").write_text((workspace / "general" / "0.txt").read_text())
+    cfg = options(workspace, "fixed-eval", method="lora", domain_eval=str(tmp_path / "eval.txt"), eval_blocks=2)
+    model, tokenizer = load_model(cfg.model)
+    corpora = Corpora(cfg, tokenizer)
+    domain = corpus_blocks(cfg.domain, tokenizer, cfg.block_len)
+    held = corpus_blocks(str(tmp_path / "eval.txt"), tokenizer, cfg.block_len)
+    assert sum(len(b["input_ids"]) for b in corpora.domain_train) >= len(domain)  # nothing held out of it
+    assert torch.equal(torch.cat([b["input_ids"] for b in corpora.domain_eval]),
+                       held.rows(list(range(2)))["input_ids"])
+    report = run(cfg, progress=False, log=lambda *a: None)
+    assert report["base"]["domain_loss"] == pytest.approx(evaluate(model, corpora.domain_eval, "cpu"), rel=1e-6)
+    with pytest.raises(RunError, match="--domain-eval .*: no such file or folder"):
+        options(workspace, "fixed-eval-missing", domain_eval=str(tmp_path / "missing.txt"))

@@ -238,6 +238,14 @@ def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bo
     return block_rows(pieces, pad, block_len)
 
 
+def shuffled_view(blocks, seed: int) -> BlockSet:
+    """Every block of `blocks`, in the order of `seed`'s shuffle (`split_indices`' shuffle, nothing
+    held out: the training blocks of a corpus whose held-out blocks come from elsewhere)."""
+    order = list(range(len(blocks)))
+    random.Random(seed).shuffle(order)
+    return BlockSet(blocks, order)
+
+
 def split_indices(n: int, heldout_fraction: float = 0.1, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Deterministic shuffle of range(n) (by `seed`), then (train, held-out) block indices with at
     least one in each."""
