@@ -117,3 +117,24 @@ def test_a_conversational_task_in_every_format_gives_the_same_blocks(tokenizer, 
     for name in ("alpaca", "sharegpt"):
         assert all((rows[name][k] == rows["messages"][k]).all() for k in ("input_ids", "labels"))
     assert tasks["messages"].kind == "instruction"
+
+
+def test_the_data_formats_page_shows_one_example_file_per_format_and_each_reads(tokenizer):
+    """docs/data.md links one example file per format of `RECORD_FORMATS`, and each one reads
+    (`corpus_or_examples`): the text file as text blocks, the others one labelled block per record."""
+    from pathlib import Path
+
+    from adept_ext.data.tasks import RECORD_FORMATS, corpus_or_examples, is_instruction_file
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    page = (docs / "data.md").read_text()
+    files = {name: docs / "examples" / "data" / f"{name.replace('/', '_')}.jsonl" for name in RECORD_FORMATS}
+    for name, path in files.items():
+        assert f"(examples/data/{path.name})" in page, name
+        blocks = corpus_or_examples(str(path), tokenizer, 64)
+        assert is_instruction_file(str(path)) == (name != "text")
+        rows = blocks.rows(list(range(len(blocks))))
+        assert (rows["labels"] != -100).any(dim=1).all(), name
+        if name != "text":
+            assert len(blocks) == len(path.read_text().splitlines()), name
+            assert ((rows["labels"] != -100).sum(dim=1) < rows["attention_mask"].sum(dim=1)).all(), name
