@@ -28,9 +28,10 @@ from .errors import InputError, RunError
 from .methods import method_names
 from .train import METHODS, config_from, run_config_class
 from .training import saved_options
+from .training.options import RENAMED, current_names
 
 logger = logging.getLogger(__name__)
-COMMON = ("model", "out", "block_len", "batch_size", "seed", "device", "overwrite")
+COMMON = ("model", "out", "max_length", "batch_size", "seed", "device", "overwrite")
 OPTIONS = {  # the options each command shows and takes; run/train/continual take all of their config's
     "probe": (*COMMON, "general", "k", "probe_blocks"),
     "expand": (*COMMON, "general", "k", "probe_blocks"),
@@ -43,7 +44,7 @@ SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers",
                   "loss_implementation", "compile", "logging_steps",
                   "resume", "overwrite"}
 ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
-           "block_size": "block_len", "seq_len": "block_len", "max_length": "block_len",
+           "block_size": "max_length", "seq_len": "max_length", "cutoff_len": "max_length",
            "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
            "output_dir": "out", "model_name_or_path": "model", "warmup": "warmup_steps"}
 
@@ -90,14 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         defaults = config_class(name)(out=f"runs/{name}")
         for option in command_options(name):
             flag = "--" + option.replace("_", "-")
+            flags = [flag] + ["--" + old.replace("_", "-") for old, new in RENAMED.items() if new == option]
             default = getattr(defaults, option)
             text = option_help(name, option).replace("`", "")
             if isinstance(default, bool):
                 action = argparse.BooleanOptionalAction if both_ways(option) else "store_true"
-                p.add_argument(flag, action=action, default=None,
+                p.add_argument(*flags, action=action, default=None,
                                help=f"{text} (default: {'on' if default else 'off'})")
             else:
-                p.add_argument(flag, type=type(default), default=None, metavar=type(default).__name__.upper(),
+                p.add_argument(*flags, type=type(default), default=None, metavar=type(default).__name__.upper(),
                                help=f"{text} (default: {default})")
     return parser
 
@@ -143,7 +145,7 @@ def resolve_config(args):
         if not path.is_file():
             raise RunError(f"--config {path}: no such file")
         try:
-            values.update(tomllib.loads(path.read_text()))
+            values.update(current_names(tomllib.loads(path.read_text())))
         except tomllib.TOMLDecodeError as e:
             raise RunError(f"--config {path}: {e}") from e
         _unknown_keys(values, names, f"--config {path}")
@@ -151,7 +153,7 @@ def resolve_config(args):
     given = set(values) if command in ("run", "train", "continual") else set()  # another method's: refused
     values.setdefault("out", f"runs/{command}")
     if values.get("resume"):
-        saved = saved_options(Path(values["out"]), command)
+        saved = current_names(saved_options(Path(values["out"]), command))
         conflicts = [k for k, v in values.items() if k not in SAFE_ON_RESUME and k in saved and saved[k] != v
                      and not (k == "out")]
         if conflicts:
@@ -175,7 +177,7 @@ def _probe_or_expand(cfg, command, progress):
     check_out(cfg, command)
     try:
         model, tokenizer = load_model(cfg.model, device=device_for(cfg), attn_implementation=cfg.attn_implementation)
-        train, _ = split_views(corpus_blocks(cfg.general, tokenizer, cfg.block_len, data_workers(cfg)), cfg.seed,
+        train, _ = split_views(corpus_blocks(cfg.general, tokenizer, cfg.max_length, data_workers(cfg)), cfg.seed,
                                "the general corpus")
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e

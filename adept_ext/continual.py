@@ -139,9 +139,9 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         loss = loss_path(model, cfg.loss_implementation)
         workers = data_workers(cfg)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
-            tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed, workers, cfg.chat_template,
+            tasks = load_tasks(cfg.tasks, tokenizer, cfg.max_length, cfg.seed, workers, cfg.chat_template,
                                cfg.train_on_prompt)
-            general = general_blocks(cfg.general, tokenizer, cfg.block_len, workers)
+            general = general_blocks(cfg.general, tokenizer, cfg.max_length, workers)
             g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
@@ -251,7 +251,7 @@ class _TaskHooks(TaskHooks):
 
     def trained(self, step):
         seconds = time.time() - self.started
-        tokens = (step - self.first_step) * self.cfg.grad_accum * self.cfg.batch_size * self.cfg.block_len
+        tokens = (step - self.first_step) * self.cfg.grad_accum * self.cfg.batch_size * self.cfg.max_length
         self.tokens_per_second = round(tokens / seconds, 1) if seconds else None
 
     def prepared(self, task, n_trainable):
@@ -300,7 +300,7 @@ def markdown_report(report: Dict) -> str:
     lines = [f"# adept_ext continual run: {report['method']}", "",
              f"Model `{cfg['model']}`, tasks {' → '.join(names)}, general corpus `{cfg['general']}` (held out); "
              f"{cfg['steps']} steps per task of {cfg['grad_accum']} micro-batch(es) x {cfg['batch_size']} blocks x "
-             f"{cfg['block_len']} tokens, lr {cfg['lr']}, seed {cfg['seed']}, "
+             f"{cfg['max_length']} tokens, lr {cfg['lr']}, seed {cfg['seed']}, "
              f"device {report['machine']['device']}.", "",
              "Score a[t][i] = accuracy (instruction tasks: exact match of the greedy answer) or −loss (text tasks: "
              "held-out next-token loss) on task i after training through task t.", "",

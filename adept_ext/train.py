@@ -118,12 +118,12 @@ class Corpora:
 
     def _packed(self, cfg, tokenizer):
         workers = data_workers(cfg)
-        general, domain = (corpus_or_examples(source, tokenizer, cfg.block_len, workers, cfg.chat_template,
+        general, domain = (corpus_or_examples(source, tokenizer, cfg.max_length, workers, cfg.chat_template,
                                               cfg.train_on_prompt) for source in (cfg.general, cfg.domain))
         g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
         if cfg.domain_eval:
             d_train = data.shuffled_view(domain, cfg.seed)
-            d_held = data.BlockSet(corpus_or_examples(cfg.domain_eval, tokenizer, cfg.block_len, workers,
+            d_held = data.BlockSet(corpus_or_examples(cfg.domain_eval, tokenizer, cfg.max_length, workers,
                                                       cfg.chat_template, cfg.train_on_prompt))
         else:
             d_train, d_held = data.split_views(domain, cfg.seed, "the domain corpus")
@@ -144,7 +144,7 @@ class Corpora:
             if is_instruction_file(source):
                 raise InputError(f"{source}: instruction and conversational records are read whole, one block per "
                                  f"example; --streaming reads text corpora")
-        general, domain = (data.BlockStream(source, tokenizer, cfg.block_len) for source in (cfg.general, cfg.domain))
+        general, domain = (data.BlockStream(source, tokenizer, cfg.max_length) for source in (cfg.general, cfg.domain))
         e, b = cfg.eval_blocks, cfg.batch_size
         g = general.take(e + max(cfg.probe_blocks, cfg.diagnosis_queries))
         d = domain.take(e + cfg.probe_blocks)
@@ -163,7 +163,7 @@ def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:
     if cfg.diagnosis_task == "bbc-topic":
         return fewshot_topic_task(corpora.tokenizer, n_queries=cfg.diagnosis_queries, shots=3, words=24,
                                        batch_size=cfg.batch_size, seed=cfg.seed)
-    return context_query_task(corpora.general_context, cfg.block_len // 2)
+    return context_query_task(corpora.general_context, cfg.max_length // 2)
 
 
 def run_diagnosis(model, cfg, corpora, importance=None, progress=True) -> Diagnosis:
@@ -221,7 +221,7 @@ class _RunHooks(TaskHooks):
         return {"base": self.base}
 
     def trained(self, step):
-        per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.block_len
+        per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.max_length
         seconds = time.time() - self.t0
         self.stage("train", steps=step, tokens=step * per_step,  # tokens/s: per rank, the steps this process ran
                    tokens_per_second=round((step - self.first_step) * per_step / seconds, 1) if seconds else None)
@@ -303,7 +303,7 @@ def markdown_report(report: Dict) -> str:
     lines = [f"# adept_ext run: {report['method']}", "",
              f"Model `{cfg['model']}`, general corpus `{cfg['general']}`, domain corpus `{cfg['domain']}`; "
              f"{cfg['steps']} steps of {cfg['grad_accum']} micro-batch(es) x {cfg['batch_size']} blocks x "
-             f"{cfg['block_len']} tokens, lr {cfg['lr']}, "
+             f"{cfg['max_length']} tokens, lr {cfg['lr']}, "
              f"seed {cfg['seed']}, device {report['machine']['device']}.", "",
              "| | general loss | general ppl | domain loss | domain ppl |", "|---|---|---|---|---|",
              *(f"| {label} | {r['general_loss']:.4f} | {math.exp(r['general_loss']):.2f} | "

@@ -27,7 +27,7 @@ def workspace(tmp_path_factory):
 
 def options(ws, out, **kw):
     base = dict(model=str(ws / "tiny"), tasks=f"{ws / 'docs.txt'},{ws / 'topics.jsonl'}", general=str(ws / "general"),
-                out=str(ws / out), k=1, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=2,
+                out=str(ws / out), k=1, max_length=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=2,
                 eval_blocks=3, save_every=2, recompute_every=2, lr=1e-3, lora_rank=2, replay_fraction=0.5)
     base.update(kw)
     return config_from(base)
@@ -394,7 +394,7 @@ def test_a_conversational_task_trains_on_its_assistant_turns(workspace, tmp_path
                            {"role": "assistant", "content": ["red", "green", "blue"][i % 3]}]} for i in range(12)]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
     tasks = f"{workspace / 'docs.txt'},{tmp_path / 'chat.jsonl'}"  # the template adds a system prompt: 64 tokens
-    report = run(options(workspace, "chat", method="seq_full", tasks=tasks, steps=4, block_len=64), progress=False,
+    report = run(options(workspace, "chat", method="seq_full", tasks=tasks, steps=4, max_length=64), progress=False,
                  log=quiet)
     rows = report["rows"]
     assert report["tasks"][1]["kind"] == "instruction" and report["tasks"][1]["name"] == "chat"

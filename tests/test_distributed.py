@@ -258,7 +258,7 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
 
     ws = run_workspace
     options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
-                   method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=4,
+                   method=method, k=2, max_length=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=4,
                    eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2, **extra)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single"),
                               "loss_implementation": "hf"}),
@@ -275,7 +275,7 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
 
     ws = run_workspace
     options = dict(model=str(ws / "tiny"), tasks=f"{ws / 'domain.jsonl'},{ws / 'general'}",
-                   general=str(ws / "general"), method="seq_lora", block_len=32, batch_size=2, steps=2,
+                   general=str(ws / "general"), method="seq_lora", max_length=32, batch_size=2, steps=2,
                    warmup_steps=1, probe_blocks=2, eval_blocks=3, save_every=0, lr=1e-3, lora_rank=2)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
@@ -314,7 +314,7 @@ def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_works
         tiny_model(arch, layers=4, vocab=len(tokenizer), tie=tied).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
     options = dict(model=str(model_dir), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
-                   method=method, k=2, block_len=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=3,
+                   method=method, k=2, max_length=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=3,
                    eval_blocks=4, eval_every=2, save_every=0, recompute_every=2, lr=1e-3, **extra)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single"),
                               "loss_implementation": "hf"}),
@@ -355,7 +355,7 @@ def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
 
     ws = run_workspace
     options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
-                   method="adept", k=2, block_len=32, batch_size=2, steps=4, warmup_steps=1, probe_blocks=2,
+                   method="adept", k=2, max_length=32, batch_size=2, steps=4, warmup_steps=1, probe_blocks=2,
                    eval_blocks=3, eval_every=3, save_every=2, recompute_every=2, lr=1e-3)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
@@ -499,7 +499,7 @@ def test_fsdp2_refuses_what_it_cannot_shard_before_any_work(monkeypatch):
 
 def _continual_options(ws, **extra):
     return {**dict(model=str(ws / "tiny"), tasks=f"{ws / 'domain.jsonl'},{ws / 'general'}", general=str(ws / "general"),
-                   k=1, block_len=32, batch_size=2, steps=2, warmup_steps=1, probe_blocks=2, eval_blocks=3,
+                   k=1, max_length=32, batch_size=2, steps=2, warmup_steps=1, probe_blocks=2, eval_blocks=3,
                    save_every=0, recompute_every=2, lr=1e-3, lora_rank=2), **extra}
 
 

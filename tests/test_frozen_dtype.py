@@ -55,7 +55,7 @@ def test_the_estimate_with_checkpointing_keeps_each_layer_s_input_and_one_layer(
     plain, checkpointed = (memory_estimate(options(workspace, "e", gradient_checkpointing=g), model)["activations"]
                            for g in (False, True))
     layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)
-    tokens = 2 * 32  # batch_size x block_len of the workspace's options
+    tokens = 2 * 32  # batch_size x max_length of the workspace's options
     assert plain - checkpointed == tokens * (c.num_hidden_layers * layer - 4 * c.num_hidden_layers * c.hidden_size
                                              - layer)
 
@@ -64,7 +64,7 @@ def test_the_8b_estimate_tool_runs_on_the_meta_device():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "tools/memory_estimate.py", "--block-len", "1024"], capture_output=True,
+    out = subprocess.run([sys.executable, "tools/memory_estimate.py", "--max-length", "1024"], capture_output=True,
                          text=True, check=True, cwd=__file__.rsplit("/tests/", 1)[0]).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     adept = {(r["frozen_dtype"], r["gradient_checkpointing"]): r for r in rows if r["method"] == "adept"}

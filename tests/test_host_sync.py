@@ -68,7 +68,7 @@ class Syncs:
 
 def tiny_run(ws, out, **options):
     cfg = config_from(dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
-                           out=str(ws / out), k=2, block_len=32, batch_size=2, grad_accum=ACCUM, warmup_steps=1,
+                           out=str(ws / out), k=2, max_length=32, batch_size=2, grad_accum=ACCUM, warmup_steps=1,
                            probe_blocks=4, eval_blocks=4, eval_every=EVERY, save_every=EVERY,
                            recompute_every=EVERY, lr=1e-3, **options))
     return run(cfg, progress=False, log=lambda *a: None)

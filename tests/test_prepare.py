@@ -145,8 +145,8 @@ def test_prepare_equals_the_sequence(workspace, tmp_path, method, loop):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)
-    tasks = load_tasks(cfg.tasks, tokenizer, cfg.block_len, cfg.seed)
-    g_train, _ = data.split_views(general_blocks(cfg.general, tokenizer, cfg.block_len), cfg.seed, "general")
+    tasks = load_tasks(cfg.tasks, tokenizer, cfg.max_length, cfg.seed)
+    g_train, _ = data.split_views(general_blocks(cfg.general, tokenizer, cfg.max_length), cfg.seed, "general")
     probe = list(g_train.first(cfg.probe_blocks).batches(cfg.batch_size))
     method_ = method_of(cfg, True)
     blocks = [t.train for t in tasks]

@@ -19,7 +19,7 @@ def workspace(tmp_path_factory):
 
 def options(ws, out, **kw):
     base = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"), out=str(ws / out),
-                k=2, block_len=32, batch_size=2, steps=4, warmup_steps=1, probe_blocks=4, eval_blocks=4, eval_every=2,
+                k=2, max_length=32, batch_size=2, steps=4, warmup_steps=1, probe_blocks=4, eval_blocks=4, eval_every=2,
                 save_every=2, recompute_every=2, lr=1e-3)
     base.update(kw)
     return config_from(base)
@@ -145,9 +145,30 @@ def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys)
     assert not (workspace / "cli").exists()
     assert main(["run", "--config", str(cfg), "--method", "freeze_deep", "--no-progress"]) == 0
     report = json.loads((workspace / "cli" / "report.json").read_text())
-    assert report["method"] == "freeze_deep" and report["config"]["block_len"] == 32
+    assert report["method"] == "freeze_deep" and report["config"]["max_length"] == 32
     assert main(["run", "--config", str(cfg), "--no-progress"]) == 2
     assert "holds a finished run of `adept-ext run`" in capsys.readouterr().err
+
+
+def test_block_len_is_the_former_name_of_max_length(workspace, tmp_path, capsys):
+    """--block-len, a TOML `block_len` and an older run.json's key all set max_length; both at once are refused."""
+    from adept_ext.cli import build_parser, resolve_config
+    from adept_ext.training.rundir import TOOL
+
+    assert config_from({"block_len": 48}).max_length == 48
+    with pytest.raises(RunError, match="block_len and max_length are one option"):
+        config_from({"block_len": 48, "max_length": 64})
+    toml = tmp_path / "old.toml"
+    toml.write_text("block_len = 40\n")
+    args = build_parser().parse_args(["run", "--config", str(toml), "--out", str(tmp_path / "o")])
+    assert resolve_config(args).max_length == 40
+    assert build_parser().parse_args(["run", "--block-len", "24"]).max_length == 24
+    run_json = {"tool": TOOL, "command": "run", "config": {**vars(options(workspace, "old")), "resume": False}}
+    run_json["config"]["block_len"] = run_json["config"].pop("max_length")  # as an older version wrote it
+    (tmp_path / "old-run").mkdir()
+    (tmp_path / "old-run" / "run.json").write_text(json.dumps(run_json))
+    args = build_parser().parse_args(["run", "--out", str(tmp_path / "old-run"), "--resume"])
+    assert resolve_config(args).max_length == 32
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -236,7 +257,7 @@ OPTIONS = {
     "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY, runtime=True),
     "method": Opt("full", "no_such_method", "unknown method 'no_such_method'"),
     "k": Opt(2, 0, "k must be >= 1"),
-    "block_len": Opt(64, 1, "block_len must be >= 2"),
+    "max_length": Opt(64, 1, "max_length must be >= 2"),
     "batch_size": Opt(2, 0, "batch_size must be >= 1"),
     "grad_accum": Opt(2, 0, "grad_accum must be >= 1"),
     "steps": Opt(3, 0, "steps must be >= 1"),
@@ -535,7 +556,7 @@ def test_unknown_toml_option_names_the_file_and_a_likely_option(tmp_path, capsys
     (["--lr", "-5"], "lr must be a finite number > 0"),
     (["--lr", "nan"], "lr must be a finite number"),
     (["--k", "0"], "k must be >= 1"),
-    (["--block-len", "1"], "block_len must be >= 2"),
+    (["--block-len", "1"], "max_length must be >= 2"), (["--max-length", "1"], "max_length must be >= 2"),
     (["--weight-decay", "-1"], "weight_decay must be >= 0"),
     (["--probe-blocks", "0"], "probe_blocks must be >= 1"),
     (["--lr", "0"], "lr must be a finite number > 0"),
@@ -842,14 +863,14 @@ def test_a_conversational_domain_trains_the_same_in_every_format(workspace, tmp_
     reports = {}
     for name, records in forms.items():
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-        reports[name] = run(options(workspace, f"chat-{method}-{name}", method=method, block_len=64, eval_every=0,
+        reports[name] = run(options(workspace, f"chat-{method}-{name}", method=method, max_length=64, eval_every=0,
                                     domain=str(tmp_path / f"{name}.jsonl")), progress=False, log=lambda *a: None)
     for name in ("alpaca", "sharegpt"):
         assert reports[name]["history"]["train"] == reports["messages"]["history"]["train"]
         assert reports[name]["final"] == reports["messages"]["final"]
     assert reports["messages"]["final"]["domain_loss"] < reports["messages"]["base"]["domain_loss"]
     with pytest.raises(RunError, match="--streaming reads text corpora"):
-        run(options(workspace, f"chat-{method}-stream", method=method, block_len=64, streaming=True,
+        run(options(workspace, f"chat-{method}-stream", method=method, max_length=64, streaming=True,
                     domain=str(tmp_path / "messages.jsonl")), progress=False, log=lambda *a: None)
 
 
@@ -865,8 +886,8 @@ def test_a_fixed_domain_eval_set_is_held_out_and_every_domain_block_trains(works
     cfg = options(workspace, "fixed-eval", method="lora", domain_eval=str(tmp_path / "eval.txt"), eval_blocks=2)
     model, tokenizer = load_model(cfg.model)
     corpora = Corpora(cfg, tokenizer)
-    domain = corpus_blocks(cfg.domain, tokenizer, cfg.block_len)
-    held = corpus_blocks(str(tmp_path / "eval.txt"), tokenizer, cfg.block_len)
+    domain = corpus_blocks(cfg.domain, tokenizer, cfg.max_length)
+    held = corpus_blocks(str(tmp_path / "eval.txt"), tokenizer, cfg.max_length)
     assert sum(len(b["input_ids"]) for b in corpora.domain_train) >= len(domain)  # nothing held out of it
     assert torch.equal(torch.cat([b["input_ids"] for b in corpora.domain_eval]),
                        held.rows(list(range(2)))["input_ids"])

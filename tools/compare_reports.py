@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 VOLATILE = {"seconds", "time", "wall_s", "tokens_per_s", "tokens_per_second", "peak_memory_mb", "machine",
             "version", "torch", "transformers", "python", "commit", "date", "wall_seconds"}
 
-COMMON = ["--block-len", "32", "--batch-size", "2", "--steps", "2", "--warmup-steps", "1", "--probe-blocks", "2",
+COMMON = ["--max-length", "32", "--batch-size", "2", "--steps", "2", "--warmup-steps", "1", "--probe-blocks", "2",
           "--eval-blocks", "2", "--save-every", "0"]
 RUN = [*COMMON, "--eval-every", "1"]
 LAYERS, RATES, LORA = ["--k", "1"], ["--recompute-every", "1"], ["--lora-rank", "2"]

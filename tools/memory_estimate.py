@@ -5,7 +5,7 @@ trainable parameters are chosen as `adept-ext run` does (ADEPT: k function-prese
 originals frozen; LoRA: rank-r PEFT adapters; full: everything), and the frozen weights are held
 in float32 or bfloat16 (`--frozen-dtype`). Prints one JSON line per setting, in GiB, per GPU.
 
-    python tools/memory_estimate.py [--shape llama-3.1-8b] [--batch-size 1] [--block-len 4096] [--k 4]
+    python tools/memory_estimate.py [--shape llama-3.1-8b] [--batch-size 1] [--max-length 4096] [--k 4]
 """
 import argparse
 import itertools
@@ -46,7 +46,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--block-len", type=int, default=4096)
+    parser.add_argument("--max-length", "--block-len", type=int, default=4096)
     parser.add_argument("--k", type=int, default=4, help="ADEPT's expanded layers")
     parser.add_argument("--lora-rank", type=int, default=8)
     args = parser.parse_args()
@@ -55,12 +55,12 @@ def main():
         model, trainable = trainable_model(args.shape, method, args.k, args.lora_rank)
         for frozen, checkpointing in itertools.product((torch.float32, torch.bfloat16), (False, True)):
             cast_frozen(model, frozen)
-            cfg = types.SimpleNamespace(batch_size=args.batch_size, block_len=args.block_len,
+            cfg = types.SimpleNamespace(batch_size=args.batch_size, max_length=args.max_length,
                                         loss_implementation="auto", gradient_checkpointing=checkpointing)
             estimate = memory_estimate(cfg, model, bf16=True, trainable=trainable, device=torch.device("cuda"))
             print(json.dumps({"shape": args.shape, "method": method, "frozen_dtype": str(frozen).removeprefix("torch."),
                               "gradient_checkpointing": checkpointing, "trainable_b": round(trainable / 1e9, 3),
-                              "batch": f"{args.batch_size} x {args.block_len}",
+                              "batch": f"{args.batch_size} x {args.max_length}",
                               **{k: round(v / gib, 1) for k, v in estimate.items()},
                               "total_gib": round(sum(estimate.values()) / gib, 1)}))
 

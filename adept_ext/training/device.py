@@ -69,7 +69,7 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
         per_token = 4 * c.num_hidden_layers * c.hidden_size + layer + logits
     else:
         per_token = c.num_hidden_layers * layer + logits
-    activations = cfg.batch_size * cfg.block_len * per_token // (2 if bf16 else 1)
+    activations = cfg.batch_size * cfg.max_length * per_token // (2 if bf16 else 1)
     if fused:
         activations += 8 * c.vocab_size * default_chunk_rows(c.vocab_size, device or device_for(cfg), torch.float32,
                                                                  grad=True)
@@ -92,8 +92,8 @@ def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int
         advice = ("lower --batch-size and raise --grad-accum" if activations > optimizer
                   else "train fewer parameters (a smaller --k, a LoRA method) or use a device with more memory")
         gib = 2**30
-        raise RunError(f"batch_size {cfg.batch_size} x block_len {cfg.block_len} with {trainable / 1e6:.1f}M trainable "
-                       f"parameters needs about {need / gib:.1f} GiB (weights {weights / gib:.1f}, optimizer "
+        raise RunError(f"batch_size {cfg.batch_size} x max_length {cfg.max_length} with {trainable / 1e6:.1f}M "
+                       f"trainable parameters needs about {need / gib:.1f} GiB (weights {weights / gib:.1f}, optimizer "
                        f"{optimizer / gib:.1f}, activations {activations / gib:.1f}) but {available / gib:.1f} GiB "
                        f"are available: {advice}")
 

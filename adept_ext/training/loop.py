@@ -150,7 +150,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
     DDP-wrapped model and rank r takes micro-batches r, r + W, … (see `parallel`)."""
     world, rank, device = parallel.world_size(), parallel.rank(), torch.device(device)
     vocab, tracking = vocab_size(task.model), tracker is not None and tracker.active
-    tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.block_len * world
+    tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.max_length * world
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # float64: the sum a Python float would hold
     last_read = step
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)

@@ -17,6 +17,7 @@ from ..models import check_attention
 from .tracking import backends_of
 
 FROZEN_DTYPES = ("auto", "bfloat16", "float32")
+RENAMED = {"block_len": "max_length"}  # an option's former name (flag, TOML key, run.json) -> its name now
 
 
 @dataclass
@@ -29,7 +30,10 @@ class TrainOptions:
         "local HF checkpoint directory or embedded model name (smollm2-135m)"))
     out: str = option("runs/run", help="output directory")
     method: str = option("adept", help="adaptation method")
-    block_len: int = option(128, help="tokens per block")
+    max_length: int = option(128, help=(
+        "the longest sequence in tokens (TRL's max_length; the old --block-len / block_len still name it): text is "
+        "cut into blocks of this many tokens, an instruction example or conversation is one sequence of at most "
+        "this many"))
     batch_size: int = option(4, help="blocks per micro-batch")
     grad_accum: int = option(1, help="micro-batches per optimizer step")
     steps: int = option(40, help="optimizer steps (per task in a sequence)")
@@ -138,6 +142,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     checked: the runner's here, every method's by building its config (MethodError), the chosen
     method by creating it once. An option in `given` (what the user gave: flags, TOML keys) that
     only other methods take is refused (`foreign_options`). RunError on bad input."""
+    overrides = current_names(overrides)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -145,7 +150,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     check_types(cls, overrides)
     cfg = cls(**overrides)
     foreign_options(cls, cfg.method, given)
-    for name in ("block_len", "batch_size", "grad_accum", "steps", "logging_steps", "probe_blocks", "eval_blocks"):
+    for name in ("max_length", "batch_size", "grad_accum", "steps", "logging_steps", "probe_blocks", "eval_blocks"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm"):
@@ -153,8 +158,8 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
             raise RunError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise RunError(f"lr must be a finite number > 0, got {cfg.lr}")
-    if cfg.block_len < 2:
-        raise RunError(f"block_len must be >= 2 (a block needs a next token to score), got {cfg.block_len}")
+    if cfg.max_length < 2:
+        raise RunError(f"max_length must be >= 2 (a sequence needs a next token to score), got {cfg.max_length}")
     if not 0 <= cfg.mix_general < 1:
         raise RunError(f"mix_general must be in [0, 1), got {cfg.mix_general}")
     if cfg.loss_implementation not in LOSS_IMPLEMENTATIONS:
@@ -190,6 +195,18 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
         raise RunError(f"method {cfg.method} cannot train a model sharded by FSDP2 (its hooks need the whole "
                        "weights); use --parallel ddp")
     return cfg
+
+
+def current_names(options: Dict) -> Dict:
+    """`options` with a former option name (`RENAMED`: a flag, TOML key or an older run.json's key)
+    replaced by the option's name now; RunError when both are given."""
+    options = dict(options)
+    for old, new in RENAMED.items():
+        if old in options:
+            if new in options:
+                raise RunError(f"{old} and {new} are one option ({old} is its former name): give one of them")
+            options[new] = options.pop(old)
+    return options
 
 
 def check_types(cls, overrides: Dict):
