@@ -31,7 +31,7 @@ from .methods.base import option
 from .lm_loss import loss_path
 from .models import load_model
 from .report import plot_matrix, plot_series
-from .data.tasks import answer_scores, general_blocks, load_tasks
+from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
 from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
                        data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
                        frozen_dtype_for, read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16,
@@ -100,7 +100,8 @@ class Evaluator:
             held = task.held.first(self.cfg.eval_blocks).tensors()
             with self.method.scoring(model, i) as scored:
                 if task.kind == "instruction":
-                    result = answer_scores(scored, held, self.cfg.batch_size, self.device, self.eos_id)
+                    result = answer_scores(scored, held, self.cfg.batch_size, self.device,
+                                           None if task.replies else self.eos_id)
                     scores.append(result["accuracy"])
                 else:
                     result = {"loss": evaluate(scored, data.batches(held, self.cfg.batch_size), self.device,
@@ -272,7 +273,8 @@ def _fmt(value: Optional[float]) -> str:
 def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds, loss: str) -> Dict:
     matrix = [r["scores"] for r in rows]
     return {"config": asdict(cfg), "method": cfg.method,
-            "tasks": [{"name": t.name, "kind": t.kind, "metric": t.metric, "train_blocks": len(t.train),
+            "tasks": [{"name": t.name, "kind": t.kind, "metric": t.metric, "scored_by": scored_by(t),
+                       "train_blocks": len(t.train),
                        "held_out": min(len(t.held), cfg.eval_blocks)} for t in tasks],
             "matrix": matrix, "rows": rows, "metrics": metrics(matrix),
             "general_loss": [r["general_loss"] for r in rows],

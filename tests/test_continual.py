@@ -69,6 +69,74 @@ def test_instruction_blocks_label_only_the_answer_and_accuracy_is_exact_match(wo
     assert planted["accuracy"] == 0.5
 
 
+def test_train_on_prompt_trains_on_every_token_and_still_scores_the_answers(workspace, tmp_path):
+    chats = [{"messages": [{"role": "user", "content": f"Colour number {i}?"},
+                           {"role": "assistant", "content": ["red", "green", "blue"][i % 3]}]} for i in range(6)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
+    tokenizer = load_model(workspace / "tiny")[1]
+    (plain,), (everything,) = (load_tasks(str(tmp_path / "chat.jsonl"), tokenizer, 64, 0, train_on_prompt=on)
+                               for on in (False, True))
+    train = [t.train.tensors() for t in (plain, everything)]
+    assert (train[1]["labels"] != -100).sum() > (train[0]["labels"] != -100).sum()
+    assert torch.equal(train[1]["labels"][train[1]["attention_mask"] == 1],
+                       train[1]["input_ids"][train[1]["attention_mask"] == 1])
+    held = [t.held.tensors() for t in (plain, everything)]
+    assert all(torch.equal(held[0][k], held[1][k]) for k in held[0])
+    assert plain.replies and everything.replies
+
+
+def test_a_conversational_task_is_scored_by_its_greedy_reply_through_the_end_of_turn(workspace):
+    """A conversational example is right exactly when `model.generate` (greedy, through the
+    template's generation prompt, stopping at the end-of-turn token) returns the reference reply
+    and its end-of-turn token: a model taught "red green blue" gets "red green blue" right and
+    "red green" wrong, which the answer rule of prompt/answer tasks (EOS not required) would count
+    right."""
+    from adept_ext.data.chat import chat_blocks
+
+    tokenizer = load_model(workspace / "tiny")[1]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ask = [{"role": "user", "content": "Colours?"}]
+    taught, shorter = (ask + [{"role": "assistant", "content": reply}] for reply in ("red green blue", "red green"))
+    blocks = chat_blocks([taught, shorter], tokenizer, 96, tokenizer.chat_template)
+    model = tiny_model("llama", layers=2, vocab=len(tokenizer))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = {k: v[:1] for k, v in blocks.items()}
+    for _ in range(40):
+        optimizer.zero_grad()
+        model(**first).loss.backward()
+        optimizer.step()
+    model.eval()
+
+    def generated_reply_is_right(i):
+        prompt = tokenizer.apply_chat_template([taught, shorter][i][:-1], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)["input_ids"]
+        out = model.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=end_of_turn,
+                             pad_token_id=end_of_turn)[0, prompt.shape[1]:]
+        reference = blocks["labels"][i][blocks["labels"][i] != -100]
+        return out.tolist() == reference.tolist()
+
+    def scored(i, eos_id=None):
+        return answer_scores(model, {k: v[i:i + 1] for k, v in blocks.items()}, 1, torch.device("cpu"),
+                             eos_id)["accuracy"]
+
+    assert [generated_reply_is_right(i) for i in (0, 1)] == [True, False]
+    assert [scored(i) for i in (0, 1)] == [1.0, 0.0]
+    assert scored(1, eos_id=end_of_turn) == 1.0  # the end of turn not required: "red green" counted right
+    # The sequence's evaluator scores a conversational task (`replies`) so, an instruction task by the answer.
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from adept_ext.continual import Evaluator
+    from adept_ext.data.tasks import Task
+
+    held = data.BlockSet(data.TensorBlocks(blocks))
+    cfg = SimpleNamespace(eval_blocks=2, batch_size=2, loss_implementation="auto")
+    tasks = [Task("chat", "instruction", held, held, replies=True), Task("answers", "instruction", held, held)]
+    method = SimpleNamespace(scoring=lambda model, i: nullcontext(model))
+    row = Evaluator(cfg, tasks, [blocks], "cpu", end_of_turn, False, method).row(model, "taught")
+    assert row["scores"] == [0.5, 1.0]
+
+
 def note_method_state(record):
     """What a task left in its method before `end_task` clears it: EoupCT's memory and how far
     the task's change lies outside its null space; which of DEAL's filter and update parameters moved."""
@@ -398,4 +466,5 @@ def test_a_conversational_task_trains_on_its_assistant_turns(workspace, tmp_path
                  log=quiet)
     rows = report["rows"]
     assert report["tasks"][1]["kind"] == "instruction" and report["tasks"][1]["name"] == "chat"
+    assert "through its end-of-turn token" in report["tasks"][1]["scored_by"]
     assert rows[2]["details"][1]["answer_loss"] < rows[0]["details"][1]["answer_loss"]

@@ -27,8 +27,9 @@ import torch
 from ..errors import InputError
 from .chat import chat_blocks, messages_of
 from .chat import chat_template as chat_template_of
-from .blocks import BlockSet, TensorBlocks, batches, pad_rows, split_views, token_blocks
+from .blocks import BlockSet, TensorBlocks, batches, pad_id, pad_rows, split_views, token_blocks
 from .large_corpus import corpus_blocks
+from .packing import DocumentRows
 from .sources import (BUILTIN_CORPORA, bbc_news_labelled, jsonl_records, parliament_speeches_labelled,
                       rotten_tomatoes_labelled, sms_spam_labelled)
 
@@ -86,12 +87,14 @@ SEQUENCES = {"builtin": BUILTIN_SEQUENCE, "classification": CLASSIFICATION_SEQUE
 @dataclass
 class Task:
     """A task's training and held-out blocks (`BlockSet`s of [block_len] input_ids,
-    attention_mask, labels rows, read on access)."""
+    attention_mask, labels rows, read on access). The held-out blocks of an instruction task are
+    labelled on its answers (assistant turns) even with `train_on_prompt`: what `answer_scores` scores."""
 
     name: str
     kind: str
     train: BlockSet
     held: BlockSet
+    replies: bool = False  # a conversational task: its end-of-turn tokens are part of the scored reply
 
     @property
     def metric(self) -> str:
@@ -105,13 +108,17 @@ def bbc_halves() -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
     return articles[1::2], articles[0::2]
 
 
-def general_blocks(source: str, tokenizer, block_len: int, workers: int = 1):
+def general_blocks(source: str, tokenizer, block_len: int, workers: int = 1, documents: bool = False):
     """The general corpus of a sequence as blocks: for `bbc-news`, only the half `bbc-topic` never
     uses; any other source as `corpus_blocks` reads it (a file, folder or saved dataset
-    through Hugging Face datasets, memory-mapped)."""
+    through Hugging Face datasets, memory-mapped). `documents` (`--packing`): one row per document."""
     if source == "bbc-news":
-        return TensorBlocks(token_blocks([text for text, _ in bbc_halves()[0]], tokenizer, block_len))
-    return corpus_blocks(source, tokenizer, block_len, workers)
+        texts = [text for text, _ in bbc_halves()[0]]
+        if documents:
+            return DocumentRows.of(tokenizer(texts, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id,
+                                   block_len, pad_id(tokenizer))
+        return TensorBlocks(token_blocks(texts, tokenizer, block_len))
+    return corpus_blocks(source, tokenizer, block_len, workers, documents)
 
 
 def record_format(record, where: str) -> str:
@@ -189,6 +196,13 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len
             "labels": input_ids.masked_fill(~labelled, -100)}
 
 
+def is_conversational_file(path: Path) -> bool:
+    """Whether the JSONL file `path`'s first record is conversational (`CONVERSATIONAL_FORMATS`)."""
+    for n, record in jsonl_records(path):
+        return record_format(record, f"{path}:{n}") in CONVERSATIONAL_FORMATS
+    return False
+
+
 def is_instruction_file(source: str) -> bool:
     """Whether `source` is a JSONL file of instruction or conversational records (`jsonl_kind`)."""
     path = Path(source)
@@ -208,16 +222,17 @@ def instruction_file_blocks(path: Path, tokenizer, block_len: int, chat_template
 
 
 def corpus_or_examples(source: str, tokenizer, block_len: int, workers: int = 1, chat_template: str = "",
-                       train_on_prompt: bool = False) -> BlockSet:
+                       train_on_prompt: bool = False, documents: bool = False) -> BlockSet:
     """A runner's corpus: an instruction or conversational JSONL as one labelled block per example
-    (`instruction_file_blocks`), anything else as `corpus_blocks` reads it."""
+    (`instruction_file_blocks`), anything else as `corpus_blocks` reads it (`documents`: one row per
+    document, `--packing`)."""
     if is_instruction_file(source):
         return instruction_file_blocks(Path(source), tokenizer, block_len, chat_template, train_on_prompt)
-    return corpus_blocks(source, tokenizer, block_len, workers)
+    return corpus_blocks(source, tokenizer, block_len, workers, documents)
 
 
 def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",
-              train_on_prompt: bool = False) -> Task:
+              train_on_prompt: bool = False, documents: bool = False) -> Task:
     """The task named or stored at `source`, or `name=source` to name it (see the module
     docstring; default: the built-in name or the file stem): a text task's file, folder
     or saved dataset is tokenised through Hugging Face datasets by `workers` processes, cached on
@@ -225,7 +240,8 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
     conversational records are rendered with `chat_template` (a file; default: the tokenizer's) and
     labelled on the assistant turns, instruction records on the answer (everything with
     `train_on_prompt`). InputError/FileNotFoundError for a missing, empty or malformed source, or
-    one with too little data to hold any out."""
+    one with too little data to hold any out. `documents` (`--packing`): a text task as one row per
+    document (`corpus_blocks`)."""
     given_name, named, rest = source.partition("=")
     if named and "/" not in given_name:  # NAME=SOURCE (a path may hold "=" in a folder's name)
         if not (given_name.strip() and rest.strip()):
@@ -246,25 +262,32 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
         kind, name, examples = "text", path.stem or path.name, None
     name = given_name or name
     if kind == "text":
-        blocks = corpus_blocks(source, tokenizer, block_len, workers)
-    else:
+        return Task(name, kind, *split_views(corpus_blocks(source, tokenizer, block_len, workers, documents), seed,
+                                             f"task {name!r}"))
+
+    def labelled(on_prompt: bool):
         if examples is None:  # a JSONL file's records
-            blocks = instruction_file_blocks(path, tokenizer, block_len, chat_template, train_on_prompt)
-        else:
-            blocks = TensorBlocks(instruction_blocks(examples, tokenizer, block_len, train_on_prompt))
-        if len(blocks) < 2:
-            raise InputError(f"task {name!r}: {len(blocks)} example(s); at least 2 are needed to hold one out")
-    return Task(name, kind, *split_views(blocks, seed, f"task {name!r}"))
+            return instruction_file_blocks(path, tokenizer, block_len, chat_template, on_prompt)
+        return TensorBlocks(instruction_blocks(examples, tokenizer, block_len, on_prompt))
+
+    blocks = labelled(train_on_prompt)
+    if len(blocks) < 2:
+        raise InputError(f"task {name!r}: {len(blocks)} example(s); at least 2 are needed to hold one out")
+    train, held = split_views(blocks, seed, f"task {name!r}")
+    if train_on_prompt:  # scored on the answers alone: the same held-out examples, labelled on the answer
+        held = split_views(labelled(False), seed, f"task {name!r}")[1]
+    return Task(name, kind, train, held, replies=examples is None and is_conversational_file(path))
 
 
 def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",
-               train_on_prompt: bool = False) -> List[Task]:
+               train_on_prompt: bool = False, documents: bool = False) -> List[Task]:
     """The tasks of `--tasks` (comma-separated sources, or a sequence name of SEQUENCES: `builtin`,
     `classification`), in order; ValueError for an empty list or duplicate names."""
     sources = list(SEQUENCES[spec]) if spec in SEQUENCES else [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
         raise InputError("--tasks names no task")
-    tasks = [load_task(s, tokenizer, block_len, seed, workers, chat_template, train_on_prompt) for s in sources]
+    tasks = [load_task(s, tokenizer, block_len, seed, workers, chat_template, train_on_prompt, documents)
+             for s in sources]
     names = [t.name for t in tasks]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -273,10 +296,24 @@ def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1
     return tasks
 
 
+def scored_by(task: Task) -> str:
+    """What a task's score measures, in words (report.json's "scored_by")."""
+    if task.kind == "text":
+        return "held-out next-token loss (score = -loss)"
+    if task.replies:
+        return "exact match of the greedy reply through its end-of-turn token, and the replies' loss"
+    return "exact match of the greedy answer (its EOS not required), and the answers' loss"
+
+
 @torch.no_grad()
 def answer_scores(model, blocks: Dict[str, torch.Tensor], batch_size: int, device, eos_id=None) -> Dict[str, float]:
-    """Exact-match accuracy of the greedy answer (the EOS target `eos_id` not required) and the
-    token-weighted answer loss (answer + EOS) over instruction blocks."""
+    """Exact-match accuracy of the greedy answer and the token-weighted loss of the labelled tokens
+    over instruction blocks. An example is right when the argmax prediction equals the label at every
+    labelled position (the EOS target `eos_id` excepted): in one teacher-forced forward, the same as
+    greedy decoding from the prompt reproducing the answer token for token. With `eos_id` None
+    (a conversational task) every labelled token counts, the end-of-turn marker included: the greedy
+    reply, generated through the template's generation prompt, must stop where the reference does
+    (docs/continual.md, "Scores")."""
     was_training = model.training
     model.eval()
     correct, total_loss, tokens = 0, 0.0, 0
