@@ -4,7 +4,7 @@
     adept-ext train  [options]   the same pipeline (an already expanded --model is trained as it is)
     adept-ext probe  [options]   layer importance of --model on --general -> JSON + PNG
     adept-ext expand [options]   probe + expand the k least important layers -> HF checkpoint
-    adept-ext eval   [options]   held-out general and domain loss of --model -> JSON
+    adept-ext eval   [options]   held-out general and domain loss of --model, lm-eval --benchmarks -> JSON
     adept-ext diagnose [options]  LayerTracer logit lens + layer sensitivity + layer importance -> JSON + PNG
     adept-ext continual [options] learn a sequence of tasks one after another; score matrix, AA/BWT/FWT
 
@@ -35,13 +35,14 @@ COMMON = ("model", "out", "max_length", "batch_size", "seed", "device", "overwri
 OPTIONS = {  # the options each command shows and takes; run/train/continual take all of their config's
     "probe": (*COMMON, "general", "k", "probe_blocks"),
     "expand": (*COMMON, "general", "k", "probe_blocks"),
-    "eval": (*COMMON, "general", "domain", "domain_eval", "eval_blocks"),
+    "eval": (*COMMON, "general", "domain", "domain_eval", "eval_blocks", "benchmarks", "include_path", "num_fewshot",
+             "limit", "apply_chat_template", "fewshot_as_multiturn", "log_samples"),
     "diagnose": (*COMMON, "general", "domain", "k", "probe_blocks", "eval_blocks", "diagnosis_task",
                  "diagnosis_queries"),
 }
 COMMANDS = ("continual", "run", "train", "probe", "expand", "eval", "diagnose")
 SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "gradient_checkpointing", "report_to",
-                  "loss_implementation", "compile", "logging_steps",
+                  "loss_implementation", "compile", "logging_steps", "dataloader_num_workers",
                   "resume", "overwrite"}
 ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
            "block_size": "max_length", "seq_len": "max_length", "cutoff_len": "max_length",
@@ -232,6 +233,7 @@ def _diagnose(cfg, progress):
 
 
 def _evaluate(cfg, progress):
+    from . import harness
     from .training import device_for, evaluate
 
     model, corpora, out = _load(cfg, "eval")
@@ -239,6 +241,13 @@ def _evaluate(cfg, progress):
     result = {"model": cfg.model,
               "general_loss": evaluate(model, corpora.general_eval, device, "eval general", progress),
               "domain_loss": evaluate(model, corpora.domain_eval, device, "eval domain", progress)}
+    benchmarks = harness.for_run(cfg, model, corpora.tokenizer, out / "benchmark_samples.jsonl", None, 0, "model",
+                                 logger.info)
+    if benchmarks:
+        result["benchmarks"] = benchmarks
+        (out / "eval.md").write_text(f"# adept_ext eval: `{cfg.model}`\n\nGeneral loss {result['general_loss']:.4f}, "
+                                     f"domain loss {result['domain_loss']:.4f}.\n\nBenchmarks (lm-evaluation-harness "
+                                     f"{benchmarks['lm_eval_version']}):\n\n{harness.markdown_table(benchmarks['tasks'])}")
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     logger.info(f"general loss {result['general_loss']:.4f}, domain loss {result['domain_loss']:.4f}; "
           f"written to {out / 'eval.json'}")

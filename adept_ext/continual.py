@@ -24,25 +24,27 @@ from typing import Collection, Dict, List, Optional
 
 import torch
 
-from . import data, parallel
+from . import data, harness, parallel
 from .errors import InputError, RunError
 from .methods import create
 from .methods.base import option
-from .lm_loss import loss_path
+from .lm_loss import check_packing, loss_path
 from .models import load_model
 from .report import plot_matrix, plot_series
+from .data.packing import packed_view
 from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
-from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
-                       data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
-                       frozen_dtype_for, read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16,
-                       with_method_options)
+from .data.truncation import report_entries
+from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
+                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, options_from,
+                       peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint, remove_stale_shards, rng_state,
+                       set_rng_state, use_bf16, with_method_options)
 
 logger = logging.getLogger(__name__)
 RESUME_MODEL = ".resume-model"  # the model after the last finished task, while the sequence runs
 
 
 @dataclass
-class ContinualOptions(TrainOptions):
+class ContinualOptions(BenchmarkOptions, TrainOptions):
     """The options of a task-sequence run that are the runner's own (defaults: the built-in sequence on
     the embedded model, about 8 minutes on 2 CPU cores); `ContinualConfig` adds the sequence
     methods' options."""
@@ -59,6 +61,9 @@ class ContinualOptions(TrainOptions):
         "general-domain corpus, held out from every task: text file, folder, JSONL with 'text', or bbc-news / "
         "python-docs"))
     eval_blocks: int = option(16, help="held-out blocks (text) or examples (instruction) per task")
+    benchmarks_every: int = option(1, help=(
+        "with --benchmarks: score the base model, the model after every Nth task and after the last (lm-eval's "
+        "tasks can cost more than a task's training); 0: the base model and the last only"))
 
 
 def continual_config_class() -> type:
@@ -72,7 +77,11 @@ ContinualConfig = continual_config_class()  # the built-in methods'; a method re
 def config_from(overrides: Dict, given: Collection[str] = ()) -> ContinualConfig:
     """A checked ContinualConfig (RunError on bad input); `given`: the options the user gave (an
     option of another method among them is refused)."""
-    return options_from(continual_config_class(), overrides, sequence=True, given=given)
+    cfg = options_from(continual_config_class(), overrides, sequence=True, given=given)
+    if cfg.benchmarks_every < 0:
+        raise RunError(f"benchmarks_every must be >= 0 (0: the base model and the last only), "
+                       f"got {cfg.benchmarks_every}")
+    return cfg
 
 
 def metrics(matrix: List[List[float]]) -> Dict[str, Optional[float]]:
@@ -137,16 +146,19 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     try:
         model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
+        if cfg.packing:
+            check_packing(model)
         loss = loss_path(model, cfg.loss_implementation)
         workers = data_workers(cfg)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
             tasks = load_tasks(cfg.tasks, tokenizer, cfg.max_length, cfg.seed, workers, cfg.chat_template,
-                               cfg.train_on_prompt)
-            general = general_blocks(cfg.general, tokenizer, cfg.max_length, workers)
+                               cfg.train_on_prompt, cfg.packing, cfg.truncation_mode)
+            general = general_blocks(cfg.general, tokenizer, cfg.max_length, workers, cfg.packing)
             g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     check_memory(cfg, model, bf16)
+    examples = report_entries({t.name: t.train.source for t in tasks}, log)  # report.json's "data"
     log(f"loss: {loss}")
     out = prepare_out(cfg, "continual") if main else out
     parallel.barrier(device)
@@ -155,16 +167,22 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
 
     def train_batches(t):
         """Task t's training batches: the method's blocks (replay adds earlier tasks') with a
-        `mix_general` share of general blocks, seeded per task."""
-        mixed = data.mix_blocks(method.train_blocks(blocks, t), general_mixed, cfg.mix_general, cfg.seed * 1000 + t)
+        `mix_general` share of general blocks, seeded per task (`--packing`: of packed rows)."""
+        mixed = data.mix_blocks(method.train_blocks(train_rows, t), mixed_rows, cfg.mix_general, cfg.seed * 1000 + t)
         return mixed.batches(cfg.batch_size)
     evaluator = Evaluator(cfg, tasks, list(g_held.first(cfg.eval_blocks).batches(cfg.batch_size)), device,
                           tokenizer.eos_token_id, progress, method)
     blocks = [t.train for t in tasks]
+    train_rows, mixed_rows = blocks, general_mixed
+    if cfg.packing:  # documents (examples) packed into the training rows; probes and held-out sets stay one per row
+        train_rows, mixed_rows = ([packed_view(b, cfg.max_length, data.pad_id(tokenizer), cfg.seed) for b in blocks],
+                                  packed_view(general_mixed, cfg.max_length, data.pad_id(tokenizer), cfg.seed))
 
     if checkpoint and checkpoint["completed"] > 0:
         model = load_model(out / RESUME_MODEL, device=device, attn_implementation=cfg.attn_implementation)[0]
     rows = checkpoint["rows"] if checkpoint else [evaluator.row(model, "base")]
+    if not checkpoint:
+        add_benchmarks(rows[0], cfg, model, tokenizer, out / "benchmark_samples_base.jsonl", log)
     per_task = checkpoint["per_task"] if checkpoint else []
     history = checkpoint["history"] if checkpoint else []
     first = checkpoint["completed"] if checkpoint else 0
@@ -201,6 +219,8 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             for p in model.parameters():
                 p.requires_grad_(False)
             rows.append(evaluator.row(model, f"after {task.name}"))
+            if t + 1 == len(tasks) or cfg.benchmarks_every and (t + 1) % cfg.benchmarks_every == 0:
+                add_benchmarks(rows[-1], cfg, model, tokenizer, (task_dir or out) / "benchmark_samples.jsonl", log)
             per_task.append({"task": task.name, "kind": task.kind, "layers": fit["task"].layers,
                              "summary": fit["task"].summary, "trainable_parameters": fit["trainable"],
                              "seconds": round(time.time() - t0, 1), "peak_memory_mb": round(peak_memory_mb(device)),
@@ -219,6 +239,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         tracker.close()
 
     report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started, loss)
+    report["data"] = examples
     if main:
         atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
         write_report(report, out)
@@ -232,13 +253,20 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     return report
 
 
+def add_benchmarks(row: Dict, cfg, model, tokenizer, samples_path: Path, log):
+    """lm-eval's scores of `model` (`--benchmarks`) into the score row `row` (nothing without benchmarks)."""
+    scores = harness.for_run(cfg, model, tokenizer, samples_path, None, 0, row["label"], log)
+    if scores:
+        row["benchmarks"] = scores
+
+
 def track_scores(tracker, tasks, rows, step: int):
-    """The newest score row to the tracker: every task's score, the general loss, and AA / BWT
-    over the tasks learned so far."""
+    """The newest score row to the tracker: every task's score, the general loss, its benchmark scores
+    (`--benchmarks`, where the row has them), and AA / BWT over the tasks learned so far."""
     done = len(rows) - 1
     scores = {f"continual/score/{task.name}": score for task, score in zip(tasks, rows[-1]["scores"])}
     running = metrics([row["scores"][:done] for row in rows]) if done else {}
-    tracker.log({**scores, "eval/general_loss": rows[-1]["general_loss"],
+    tracker.log({**scores, **harness.tracked(rows[-1].get("benchmarks")), "eval/general_loss": rows[-1]["general_loss"],
                  **{f"continual/{k}": v for k, v in running.items() if v is not None}}, step)
 
 
@@ -281,6 +309,8 @@ def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds, los
             "general_forgetting": rows[-1]["general_loss"] - rows[0]["general_loss"],
             "trainable_parameters": [p["trainable_parameters"] for p in per_task],
             "per_task": per_task, "history": history,
+            **({"benchmark_difference": harness.compare(rows[0]["benchmarks"], rows[-1]["benchmarks"])}
+               if "benchmarks" in rows[-1] else {}),
             "machine": {"device": str(device), "threads": torch.get_num_threads(), "bf16": bf16}, "loss": loss,
             "wall_seconds": round(seconds, 1)}
 
@@ -316,5 +346,10 @@ def markdown_report(report: Dict) -> str:
               "| task | what trained | trainable parameters | seconds | peak memory MB |", "|---|---|---|---|---|"]
     lines += [f"| {p['task']} | {p['summary']} | {p['trainable_parameters'] / 1e6:.2f}M | {p['seconds']} | "
               f"{p['peak_memory_mb']} |" for p in report["per_task"]]
+    scored = [(r["label"], r["benchmarks"]) for r in report["rows"] if "benchmarks" in r]
+    if scored:
+        lines += ["", "Benchmarks (lm-evaluation-harness, value ± stderr; docs/evaluation.md):", "",
+                  harness.rows_table(scored).rstrip(), "", "Base model vs after the last task:", "",
+                  harness.comparison_table(report["benchmark_difference"]).rstrip()]
     lines += ["", f"Wall time {report['wall_seconds']} s. Plots: `matrix.png`, `general.png`."]
     return "\n".join(lines) + "\n"

@@ -54,6 +54,43 @@ def hf_head_reason(model) -> Optional[str]:
     return None
 
 
+def packing_reason(model, tolerance: float = 1e-3) -> Optional[str]:
+    """Why `model` would let a document of a packed row (`--packing`: position ids restarting at each
+    document, no attention mask; `data.packing`) see another, or None when it would not: two short
+    documents are run packed and each alone, and the logits must agree, max |Δ| ≤ tolerance · max |logit|
+    (attention across the boundary changes them by far more). Flash attention's variable-length path
+    reads the same position ids and needs half precision: not run here (None)."""
+    hf = base_model(model)
+    backend = hf.config._attn_implementation
+    if backend == "flash_attention_2":
+        return None
+    device = hf.get_input_embeddings().weight.device
+    generator = torch.Generator().manual_seed(0)
+    docs = [torch.randint(hf.get_input_embeddings().weight.shape[0], (n,), generator=generator).to(device)
+            for n in (6, 5)]
+    positions = torch.cat([torch.arange(len(d), device=device) for d in docs])
+    was_training = hf.training
+    hf.eval()
+    try:
+        with torch.no_grad():
+            packed = hf(input_ids=torch.cat(docs)[None], position_ids=positions[None], use_cache=False).logits[0]
+            alone = torch.cat([hf(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+    finally:
+        hf.train(was_training)
+    error = float((packed.float() - alone.float()).abs().max() / alone.float().abs().max().clamp_min(1e-30))
+    if error > tolerance:
+        return (f"its {backend} attention lets packed documents see each other (their logits differ from the "
+                f"documents' own by {error:.2g} of the largest)")
+    return None
+
+
+def check_packing(model):
+    """InputError when `packing_reason(model)` says packed rows would attend across documents."""
+    reason = packing_reason(model)
+    if reason:
+        raise InputError(f"--packing cannot be used with this model: {reason}; train without --packing")
+
+
 def uses_fused_loss(model, implementation: str = "auto") -> bool:
     """Whether `next_token_loss(model, batch, implementation)` runs the fused loss ("auto": when
     `hf_head_reason` is None); InputError for an unknown implementation, or for "fused" on a head
@@ -86,7 +123,8 @@ def labelled_tokens(batches) -> torch.Tensor:
 
 def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str = "auto",
                     num_items=None) -> torch.Tensor:
-    """The next-token loss of `batch` (input_ids, attention_mask, labels) under `model` (a Hugging
+    """The next-token loss of `batch` (input_ids, attention_mask, labels; or a packed row's input_ids,
+    labels and position_ids, `data.packing`, every key passed to the model) under `model` (a Hugging
     Face causal LM, or one wrapped by DDP, FSDP2 or PEFT): the mean over its labelled tokens, or,
     given `num_items` (Hugging Face's `num_items_in_batch`: the labelled tokens of a whole
     optimizer step, a number or a tensor), the sum over them / `num_items`, so that micro-batches

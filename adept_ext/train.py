@@ -23,38 +23,48 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Collection, Dict, List
+from typing import Collection, Dict, List, Tuple
 
 import torch
 
-from . import data, parallel
+from . import data, harness, parallel
 from .errors import InputError, RunError
 from .lens import Diagnosis, diagnose
+from .data.packing import packed_view
 from .data.tasks import corpus_or_examples, is_instruction_file
+from .data.truncation import report_entries
 from .lens_inputs import context_query_task, fewshot_topic_task
 from .methods import create, method_names
 from .methods.base import option
 from .methods.freeze_deep import DIAGNOSIS_TASKS
-from .lm_loss import loss_path
+from .lm_loss import check_packing, loss_path
 from .models import load_model
 from .report import plot_loss_curves
-from .training import (CHECKPOINT, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write, check_memory, check_out,
-                       data_workers, device_for, evaluate, fit_task, options_from, peak_memory_mb, prepare_out,
-                       frozen_dtype_for, read_checkpoint, remove_stale_shards, use_bf16, with_method_options)
+from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
+                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, options_from,
+                       peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint, remove_stale_shards, use_bf16,
+                       with_method_options)
 
 logger = logging.getLogger(__name__)
 METHODS = tuple(method_names(single_domain=True))
 
 
 @dataclass
-class RunOptions(TrainOptions):
+class RunOptions(BenchmarkOptions, TrainOptions):
     """The options of a one-domain run that are the runner's own (the embedded default: SmolLM2-135M,
     BBC News as general corpus, Python docs as domain corpus, sized for a few minutes on 2 CPU
     cores); `RunConfig` adds the single-domain methods' options."""
 
     general: str = option("bbc-news", help=(
         "general-domain corpus: text file, folder, JSONL with 'text', or bbc-news / python-docs"))
-    domain: str = option("python-docs", help="domain corpus to adapt to (same forms as --general)")
+    domain: str = option("python-docs", help=(
+        "domain corpus to adapt to (same forms as --general), or several, comma-separated, interleaved by "
+        "--domain-weights"))
+    domain_weights: str = option("", help=(
+        "weights of --domain's comma-separated sources (LLaMA-Factory's interleave_probs), e.g. 0.7,0.3: each "
+        "training block comes from source j with probability w_j / sum(w) until every source has given every block "
+        "(a light source repeats; nothing is dropped), and the held-out blocks are interleaved alike, each once; "
+        "default: equal weights"))
     domain_eval: str = option("", help=(
         "a fixed held-out set for the domain (TRL's eval_dataset; same forms as --domain): its first --eval-blocks "
         "blocks are evaluated and every block of --domain trains; default: a random tenth of --domain held out"))
@@ -86,9 +96,20 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
     if isinstance(overrides.get("boundary"), int):  # TOML: boundary = 12
         overrides = {**overrides, "boundary": str(overrides["boundary"])}
     cfg = options_from(run_config_class(), overrides, given=given)
+    if cfg.packing and cfg.streaming:
+        raise RunError("--packing reads whole documents into rows by best-fit decreasing over the corpus, which "
+                       "--streaming does not hold: drop one of them")
     if cfg.mix_general and cfg.streaming:
         raise RunError("--mix-general draws from the general corpus's shuffled training split, which --streaming "
                        "does not build: drop one of them")
+    if cfg.streaming and cfg.dataloader_num_workers > 1:
+        raise RunError(f"--streaming reads the domain corpus as one stream in corpus order, which one loader process "
+                       f"does (Hugging Face datasets would split the corpus's files among several): "
+                       f"--dataloader-num-workers 0 or 1, not {cfg.dataloader_num_workers}")
+    domain_sources(cfg)  # RunError for weights that do not fit the sources
+    if cfg.streaming and len(domain_sources(cfg)[0]) > 1:
+        raise RunError("--streaming reads one domain corpus in order; several --domain sources are interleaved from "
+                       "their shuffled splits: give one source, or drop --streaming")
     if cfg.eval_every < 0:
         raise RunError(f"eval_every must be >= 0 (0 = only at the end), got {cfg.eval_every}")
     if cfg.diagnosis_queries < 1:
@@ -100,47 +121,83 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
     return cfg
 
 
+def domain_sources(cfg) -> Tuple[List[str], List[float]]:
+    """--domain's sources (comma-separated) and their weights (--domain-weights; equal by default);
+    RunError for a weight that is not a finite number > 0, or a count that differs from the sources'."""
+    sources = [s.strip() for s in cfg.domain.split(",") if s.strip()]
+    if not sources:
+        raise RunError("--domain names no corpus")
+    if not cfg.domain_weights:
+        return sources, [1.0] * len(sources)
+    try:
+        weights = [float(w) for w in cfg.domain_weights.split(",")]
+    except ValueError:
+        raise RunError(f"--domain-weights {cfg.domain_weights}: give comma-separated numbers, e.g. 0.7,0.3") from None
+    if len(weights) != len(sources) or len(sources) < 2:
+        raise RunError(f"--domain-weights gives {len(weights)} weight(s) for {len(sources)} --domain source(s): give "
+                       f"one per source, and only for several")
+    if not all(w > 0 and math.isfinite(w) for w in weights):
+        raise RunError(f"--domain-weights {cfg.domain_weights}: every weight must be a finite number > 0")
+    return sources, weights
+
+
 class Corpora:
     """Token blocks of both corpora: general probe + held-out, domain train + held-out.
 
     Default: each corpus is cut into blocks (`data.corpus_blocks`: file, folder and saved-dataset
     corpora through Hugging Face datasets, memory-mapped) and split by a seeded shuffle, 10 % held
     out; the training batches are read lazily, with `mix_general` of them general blocks that are
-    neither held out nor probe or diagnosis blocks (`general_mixed`). `streaming`: blocks in
+    neither held out nor probe or diagnosis blocks (`general_mixed`). `packing`: a text corpus is
+    one row per document (piece), and the training rows of both (domain, general mixed) are packed
+    (`data.packing.packed_view`); held-out, probe and diagnosis rows stay one per row. `streaming`: blocks in
     corpus order (no shuffle, no cache): the first `eval_blocks` are held out, the probe blocks
     follow, the domain's training batches are everything after the held-out blocks, read as the
     run consumes them."""
 
     def __init__(self, cfg, tokenizer):
         self.tokenizer = tokenizer
+        self.sources = {}  # each corpus's blocks by its source (report.json's "data": `truncation.report_entries`)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
             self._streamed(cfg, tokenizer) if cfg.streaming else self._packed(cfg, tokenizer)
 
     def _packed(self, cfg, tokenizer):
         workers = data_workers(cfg)
-        general, domain = (corpus_or_examples(source, tokenizer, cfg.max_length, workers, cfg.chat_template,
-                                              cfg.train_on_prompt) for source in (cfg.general, cfg.domain))
-        g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
+        sources, weights = domain_sources(cfg)
+        self.sources.update({source: corpus_or_examples(source, tokenizer, cfg.max_length, workers, cfg.chat_template,
+                                                        cfg.train_on_prompt, cfg.packing, cfg.truncation_mode)
+                             for source in (cfg.general, *sources)})
+        g_train, g_held = data.split_views(self.sources[cfg.general], cfg.seed, "the general corpus")
         if cfg.domain_eval:
-            d_train = data.shuffled_view(domain, cfg.seed)
+            d_train = data.interleave_blocks([data.shuffled_view(self.sources[s], cfg.seed) for s in sources], weights,
+                                             cfg.seed)
             d_held = data.BlockSet(corpus_or_examples(cfg.domain_eval, tokenizer, cfg.max_length, workers,
-                                                      cfg.chat_template, cfg.train_on_prompt))
+                                                      cfg.chat_template, cfg.train_on_prompt, cfg.packing,
+                                                      cfg.truncation_mode))
+            self.sources[cfg.domain_eval] = d_held.source
         else:
-            d_train, d_held = data.split_views(domain, cfg.seed, "the domain corpus")
+            what = (lambda s: "the domain corpus") if len(sources) == 1 else (lambda s: f"the domain corpus {s}")
+            splits = [data.split_views(self.sources[s], cfg.seed, what(s)) for s in sources]
+            trains, helds = zip(*splits)
+            d_train = data.interleave_blocks(trains, weights, cfg.seed)
+            d_held = data.interleave_blocks(helds, weights, cfg.seed, repeat=False)  # each held-out block once
         b = cfg.batch_size
         self.general_probe = list(g_train.first(cfg.probe_blocks).batches(b))
         self.general_context = list(g_train.first(cfg.diagnosis_queries).batches(b))  # diagnosis
         self.general_eval = list(g_held.first(cfg.eval_blocks).batches(b))
         self.domain_eval = list(d_held.first(cfg.eval_blocks).batches(b))
         self.general_mixed = g_train.after(max(cfg.probe_blocks, cfg.diagnosis_queries))
-        self.domain_train = data.mix_blocks(d_train, self.general_mixed, cfg.mix_general, cfg.seed).batches(b)
+        train, mixed = d_train, self.general_mixed
+        if cfg.packing:  # documents (examples) packed into training rows; every other set stays one per row
+            pad = data.pad_id(tokenizer)
+            train, mixed = (packed_view(rows, cfg.max_length, pad, cfg.seed) for rows in (d_train, mixed))
+        self.domain_train = data.mix_blocks(train, mixed, cfg.mix_general, cfg.seed).batches(b)
         self.domain_probe = list(d_train.first(cfg.probe_blocks).batches(b))  # placements
 
     def _streamed(self, cfg, tokenizer):
         if cfg.domain_eval:
             raise InputError("--streaming holds out the first --eval-blocks of the domain stream; --domain-eval "
                              "names a held-out set of its own: drop one of them")
-        for source in (cfg.general, cfg.domain):
+        for source in (cfg.general, cfg.domain):  # one --domain source (config_from)
             if is_instruction_file(source):
                 raise InputError(f"{source}: instruction and conversational records are read whole, one block per "
                                  f"example; --streaming reads text corpora")
@@ -218,7 +275,7 @@ class _RunHooks(TaskHooks):
             self.history["eval"].append({"step": step, **self.evaluate(step)})
 
     def checkpoint_fields(self):
-        return {"base": self.base}
+        return {"base": self.base, "base_benchmarks": self.base_benchmarks}
 
     def trained(self, step):
         per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.max_length
@@ -242,6 +299,8 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     try:
         model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
+        if cfg.packing:
+            check_packing(model)
         loss = loss_path(model, cfg.loss_implementation)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
@@ -254,7 +313,8 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     parallel.barrier(device)
     machine = {"device": str(device), "threads": torch.get_num_threads(), "platform": platform.platform(),
                "bf16": bf16, "processes": parallel.world_size()}
-    report = {"config": asdict(cfg), "stages": {}, "machine": machine, "loss": loss}
+    report = {"config": asdict(cfg), "stages": {}, "machine": machine, "loss": loss,
+              "data": report_entries(corpora.sources, log)}
     log(f"loss: {loss}")
     history = checkpoint["task_history"] if checkpoint else {"train": [], "eval": []}
     tracker = Tracker(cfg.report_to, out, asdict(cfg), cfg.method)
@@ -264,11 +324,19 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         hooks.first_step = checkpoint["step"] if checkpoint else 0
         hooks.stage("base_eval", **base)
         log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
+        hooks.base_benchmarks = checkpoint.get("base_benchmarks") if checkpoint else \
+            harness.for_run(cfg, model, tokenizer, out / "benchmark_samples_base.jsonl", tracker, 0, "base", log)
+        if hooks.base_benchmarks:
+            hooks.stage("base_benchmarks")
         fit = fit_task(model, method, cfg, device, bf16, lambda task: corpora.domain_train, history, out=out,
                        desc=f"training ({cfg.method})", general_probe=corpora.general_probe,
                        domain_probe=corpora.domain_probe, diagnosis_batches=lambda: diagnosis_batches(cfg, corpora),
                        checkpoint=checkpoint, hooks=hooks, artifacts=out if main else None, report=report,
                        tracker=tracker, progress=progress, log=log)
+        final_benchmarks = harness.for_run(cfg, fit["model"], tokenizer, out / "benchmark_samples_final.jsonl",
+                                           tracker, cfg.steps, "final", log)
+        if final_benchmarks:
+            hooks.stage("final_benchmarks")
     finally:
         tracker.close()
     task, final, n_trainable = fit["task"], hooks.final, fit["trainable"]
@@ -285,6 +353,9 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
                        "base_domain": math.exp(base["domain_loss"]), "final_domain": math.exp(final["domain_loss"])},
         "trainable_parameters": n_trainable, "trainable_fraction": report["stages"]["prepare"]["trainable_fraction"],
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
+        **({"benchmarks": {"base": hooks.base_benchmarks, "final": final_benchmarks,
+                           "difference": harness.compare(hooks.base_benchmarks, final_benchmarks)}}
+           if final_benchmarks else {}),
         "wall_seconds": round(time.time() - started, 1)})
     if main:
         atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
@@ -318,5 +389,8 @@ def markdown_report(report: Dict) -> str:
     if "unit_rates" in report:
         lines += ["", f"Per-unit learning-rate multipliers (mean {report['unit_rates']['mean_multiplier']:.3f}, "
                       f"{report['unit_rates']['recomputes']} recomputes): see `unit_rates.png`."]
+    if "benchmarks" in report:
+        lines += ["", "Benchmarks (lm-evaluation-harness, base vs final; docs/evaluation.md):", "",
+                  harness.comparison_table(report["benchmarks"]["difference"]).rstrip()]
     lines += ["", "Plots: " + ", ".join(f"`{name}`" for name in report["plots"]) + "."]
     return "\n".join(lines) + "\n"

@@ -181,7 +181,7 @@ def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, monkeypat
     first, second = spy.tasks
     if method in ("seq_full", "replay"):  # every parameter trains
         assert not first.frozen and not second.frozen, (sorted(first.frozen)[:3], sorted(second.frozen)[:3])
-    if method in ("seq_lora", "o_lora", "deal", "eoupct"):  # adapters merged: only the adapted projections moved
+    if method in ("seq_lora", "o_lora", "osf", "deal", "eoupct"):  # merged: only the adapted projections moved
         targets = ("gate_proj",) if method == "eoupct" else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj")
         changed = changed_tensors(model, base)
@@ -238,7 +238,7 @@ def test_adept_seq_freezes_the_first_tasks_copy_during_the_second(workspace):
     assert len(unchanged) == 1, "the first task's copy changed while the second task trained"
 
 
-@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "eoupct", "deal", "per_task"])
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task"])
 def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
     full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
     import adept_ext.training.loop as loop_module
@@ -266,6 +266,8 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
     flat = lambda m: [v for row in m for v in row]  # noqa: E731
     assert flat(resumed["matrix"]) == pytest.approx(flat(full["matrix"]), rel=1e-5)
     assert resumed["general_loss"] == pytest.approx(full["general_loss"], rel=1e-5)
+    losses = lambda report: [entry["loss"] for task in report["history"] for entry in task]  # noqa: E731
+    assert losses(resumed) == pytest.approx(losses(full), rel=1e-5)  # the same batches in the same order
 
 
 def test_builtin_sequence_tasks(workspace):

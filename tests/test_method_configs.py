@@ -15,7 +15,7 @@ from adept_ext.continual import ContinualConfig
 from adept_ext.methods import (REGISTRY, AdeptConfig, AdeptNoExpandConfig, AdeptSeqConfig, AdeptUniformLrConfig,
                                Context, DealConfig, EoupCTConfig, FreezeDeepConfig, LlamaProConfig,
                                LlamaProSeqConfig, LoraMethodConfig, MethodConfig, MethodError, OLoraConfig,
-                               PerTaskConfig, ReplayConfig, SeqLoraConfig, create, get_method)
+                               OsfMethodConfig, PerTaskConfig, ReplayConfig, SeqLoraConfig, create, get_method)
 from adept_ext.methods.adept import LayerConfig
 from adept_ext.train import RunConfig
 from tiny_models import padded_batches, tiny_model
@@ -71,7 +71,7 @@ def test_the_layer_counts_default_like_their_runners():
 FLAT = {
     "k": 3, "layers": "5,1,1", "boundary": "2", "placement": "uniform", "normalize": "global", "recompute_every": 7,
     "diagnosis_task": "context", "lora_rank": 3, "replay_fraction": 0.5, "replay_base": "lora", "o_lora_lambda": 0.25,
-    "o_lora_penalty": "l1",
+    "o_lora_penalty": "l1", "osf_effective_rank": 0.25, "osf_rank_step": 0.25,
     "deal_rank": 5, "deal_filter": "haar", "deal_filter_on": "b", "deal_scales": 2, "deal_lambda1": 0.5,
     "deal_a": 4.0, "deal_lambda2": 0.2, "deal_b": 3.0, "deal_new_rank": 3,
     "eoupct_student": "full", "eoupct_rank": 6, "eoupct_lora_alpha": 16.0, "eoupct_target_modules": "up_proj",
@@ -139,6 +139,10 @@ INVALID = [
     (OLoraConfig, dict(lam=-1.0), "o_lora_lambda must be >= 0, got -1.0", dict(o_lora_lambda=-1.0)),
     (OLoraConfig, dict(lam=math.nan), "o_lora_lambda must be >= 0, got nan", dict(o_lora_lambda=math.nan)),
     (OLoraConfig, dict(rank=0), "lora_rank must be >= 1", dict(lora_rank=0)),
+    (OsfMethodConfig, dict(effective_rank=1.5),
+     "osf_effective_rank must be a fraction in (0, 1) or a whole number >= 1, got 1.5", dict(osf_effective_rank=1.5)),
+    (OsfMethodConfig, dict(rank_step=2.0), "osf_rank_step must be 0 or, as osf_effective_rank 0.3 is, a fraction",
+     dict(osf_rank_step=2.0)),
     (ReplayConfig, dict(fraction=0.0), "replay_fraction must be in (0, 1], got 0.0", dict(replay_fraction=0.0)),
     (ReplayConfig, dict(fraction=1.5), "replay_fraction must be in (0, 1]", dict(replay_fraction=1.5)),
     (ReplayConfig, dict(base="adept"), "replay_base must be one of full, lora, got 'adept'", dict(replay_base="adept")),

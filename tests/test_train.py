@@ -96,11 +96,13 @@ FROZEN_BF16 = {"bf16": "on", "frozen_dtype": "bfloat16"}
 
 @pytest.mark.parametrize("method,streaming,extra", [("adept", False, {}), ("adept_uniform_lr", False, {}),
                                                     ("full", False, {}), ("full", True, {}),
+                                                    ("full", True, {"dataloader_num_workers": 1}),
                                                     ("adept", False, FROZEN_BF16)])
 def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, method, streaming, extra):
-    """Also with --streaming (the resumed run reads the stream from the start up to its step) and
-    with the frozen weights in bfloat16 (they are cast again when the task is prepared anew)."""
-    run_name = method + ("-streaming" if streaming else "") + ("-frozen-bf16" if extra else "")
+    """Also with --streaming (the resumed run reads the stream from the start up to its step; also in
+    a loader worker) and with the frozen weights in bfloat16 (they are cast again when the task is
+    prepared anew). With loader workers: tests/test_dataloader.py."""
+    run_name = method + ("-streaming" if streaming else "") + "".join(f"-{k}" for k in extra)
     full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, method=method,
                        streaming=streaming, **extra),
                progress=False, log=lambda *a: None)
@@ -284,10 +286,12 @@ OPTIONS = {
     "resume": Opt(None, True, "holds no adept-ext run"),  # a good --resume needs a stopped run: test_resume_*
     "overwrite": Opt(True),
     "data_workers": Opt(2, -1, "data_workers must be >= 0"),
+    "dataloader_num_workers": Opt(2, -1, "dataloader_num_workers must be >= 0"),
     "report_to": Opt("tensorboard", "tensorboard,bogus", "report_to must be none or a comma-separated list"),
     "general": Opt("python-docs", "{missing}", "no such file or folder", TINY[:2], runtime=True),
     "domain": Opt("bbc-news", "{missing}", "no such file or folder", TINY[:4], runtime=True),
     "domain_eval": Opt("{domain}", "{missing}", "--domain-eval"),
+    "domain_weights": Opt(None, "0.5", "--domain-weights gives 1 weight(s) for 1 --domain source(s)"),
     "layers": Opt("1,2", "x,y", "--layers must be comma-separated layer indices"),
     "placement": Opt("uniform", "bogus", "placement must be one of"),
     "eval_every": Opt(5, -1, "eval_every must be >= 0"),
@@ -299,10 +303,14 @@ OPTIONS = {
     "tasks": Opt("python-docs,bbc-topic", "{missing}", "no such file or folder", TINY[:2], runtime=True),
     "chat_template": Opt("{file}", "{missing}", "--chat-template"),
     "train_on_prompt": Opt(True),
+    "packing": Opt(True, True, "--packing reads whole documents", ("--streaming",)),
+    "truncation_mode": Opt("keep_start", "left", "truncation_mode must be one of keep_end, keep_start"),
     "replay_fraction": Opt(0.5, 0.0, "replay_fraction must be in (0, 1]"),
     "replay_base": Opt("lora", "bogus", "replay_base must be one of"),
     "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0"),
     "o_lora_penalty": Opt("l1", "l2", "o_lora_penalty must be one of fro2, l1"),
+    "osf_effective_rank": Opt(0.25, 1.5, "osf_effective_rank must be a fraction in (0, 1) or a whole number >= 1"),
+    "osf_rank_step": Opt(0.1, 2.0, "osf_rank_step must be 0 or, as osf_effective_rank 0.3 is, a fraction in (0, 1)"),
     "deal_rank": Opt(4, 0, "deal_rank must be >= 1"),
     "deal_variant": Opt("public_code", "bogus", "deal_variant must be one of paper, public_code"),
     "deal_filter": Opt("haar", "bogus", "deal_filter must be one of"),
@@ -333,6 +341,15 @@ OPTIONS = {
     "eoupct_target": Opt("logits", "bogus", "eoupct_target must be one of"),
     "eoupct_directions": Opt(2, 0, "eoupct_directions must be >= 1"),
     "eoupct_memory": Opt("gpm", "bogus", "eoupct_memory must be one of"),
+    # lm-eval (tests/test_harness.py runs it); a known task name: lm-eval's built-in arc_easy (its data is not read)
+    "benchmarks": Opt("arc_easy", "no_such_task", "unknown task 'no_such_task'"),
+    "include_path": Opt("{tasks}", "{general}", "no YAML task file"),
+    "num_fewshot": Opt(2, -2, "num_fewshot must be >= 0"),
+    "limit": Opt(5, 0, "limit must be >= 1"),
+    "apply_chat_template": Opt(True),
+    "fewshot_as_multiturn": Opt(None, True, "needs --apply-chat-template"),  # alone it is refused
+    "log_samples": Opt(True),
+    "benchmarks_every": Opt(2, -1, "benchmarks_every must be >= 0"),
 }
 CONTINUAL_OPTIONS = {  # where a task sequence differs: its own methods and defaults
     "method": Opt("seq_full", "full", "does not learn task sequences"),
@@ -340,6 +357,7 @@ CONTINUAL_OPTIONS = {  # where a task sequence differs: its own methods and defa
     "lora_rank": Opt(4, 0, "lora_rank must be >= 1"),
     "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY[:2], runtime=True),
     "device": Opt("cpu", "tpu", "device", TINY[:2], runtime=True),
+    "packing": Opt(True),  # continual has no --streaming to refuse it with
 }
 def option_cases(half: str):
     from dataclasses import fields
@@ -381,9 +399,11 @@ def owner_flags(command, field):
 @pytest.fixture
 def paths(workspace, tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "tasks").mkdir()  # a folder of lm-eval task files (--include-path checks that it holds YAML)
+    (tmp_path / "tasks" / "task.yaml").write_text("task: a_task\n")
     return {"tiny": str(workspace / "tiny"), "general": str(workspace / "general"),
             "domain": str(workspace / "domain.jsonl"), "missing": str(tmp_path / "missing"),
-            "file": str(tmp_path / "a-file"), "tmp": str(tmp_path)}
+            "file": str(tmp_path / "a-file"), "tmp": str(tmp_path), "tasks": str(tmp_path / "tasks")}
 
 
 @pytest.fixture
@@ -872,6 +892,34 @@ def test_a_conversational_domain_trains_the_same_in_every_format(workspace, tmp_
     with pytest.raises(RunError, match="--streaming reads text corpora"):
         run(options(workspace, f"chat-{method}-stream", method=method, max_length=64, streaming=True,
                     domain=str(tmp_path / "messages.jsonl")), progress=False, log=lambda *a: None)
+
+
+def test_several_domain_sources_are_interleaved_by_weight(workspace, tmp_path):
+    """--domain A,B --domain-weights (LLaMA-Factory's interleave_probs): every training block of each
+    source trains, the held-out blocks of both are evaluated, a run finishes; bad weights are refused."""
+    from adept_ext.data import split_views
+    from adept_ext.data.tasks import corpus_or_examples
+    from adept_ext.models import load_model
+    from adept_ext.train import Corpora
+
+    chats = [{"prompt": f"Colour number {i}?", "completion": " red"} for i in range(12)]
+    (tmp_path / "qa.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
+    domain = f"{workspace / 'domain.jsonl'},{tmp_path / 'qa.jsonl'}"
+    cfg = options(workspace, "two-sources", method="lora", domain=domain, domain_weights="1,3", eval_blocks=40)
+    tokenizer = load_model(cfg.model)[1]
+    corpora = Corpora(cfg, tokenizer)
+    rows = lambda batches: {tuple(r) for b in batches for r in b["input_ids"].tolist()}  # noqa: E731
+    for source in (workspace / "domain.jsonl", tmp_path / "qa.jsonl"):  # text and prompt/completion
+        train, held = split_views(corpus_or_examples(str(source), tokenizer, 32), 0, "a source")
+        assert rows(train.batches(2)) <= rows(corpora.domain_train)
+        assert rows(held.batches(2)) <= rows(corpora.domain_eval)
+    report = run(cfg, progress=False, log=lambda *a: None)
+    assert report["config"]["domain_weights"] == "1,3" and report["final"]["domain_loss"] > 0
+    for weights, message in (("1", "gives 1 weight"), ("1,-2", "finite number > 0"), ("a,b", "comma-separated")):
+        with pytest.raises(RunError, match=message):
+            options(workspace, "bad-weights", domain=domain, domain_weights=weights)
+    with pytest.raises(RunError, match="--streaming reads one domain corpus"):
+        options(workspace, "two-streams", domain=domain, streaming=True)
 
 
 def test_a_fixed_domain_eval_set_is_held_out_and_every_domain_block_trains(workspace, tmp_path):

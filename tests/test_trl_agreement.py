@@ -5,13 +5,10 @@ Prompt-completion records (adept_ext.data.tasks.instruction_blocks vs SFTTrainer
 `completion_only_loss=True`). TRL appends the EOS text to the completion unless it already ends with it,
 tokenises the prompt alone and prompt + completion jointly (plain `tokenizer(text)`, so with the
 tokenizer's own special tokens), and labels what follows the two's common prefix. We tokenise prompt and
-completion apart without special tokens and append the EOS id. The token ids and the labelled tokens
+completion apart without special tokens, put the tokenizer's BOS first where it adds one (a BOS-adding copy
+of SmolLM2's, whose own adds none, is tested) and append the EOS id. The token ids and the labelled tokens
 (completion and EOS) are equal, which is tested, also for a completion that already ends with the EOS
-text (neither adds a second EOS), except in two cases, each pinned below:
-- a tokenizer that adds BOS (Llama, Gemma; SmolLM2's does not, a BOS-adding copy of it is used): TRL's
-  sequence starts with an unlabelled BOS, ours has none (adept_ext tokenises everything, corpora included,
-  without special tokens, so the instruction blocks match how the model is trained and evaluated here;
-  for a model that needs BOS, such as Gemma, TRL's is what a user would expect);
+text (neither adds a second EOS), except in one case, pinned below:
 - a prompt and completion whose tokens merge across the boundary (a prompt ending with a space): TRL
   trains on the joint tokenisation, " Paris" labelled, and drops the prompt's trailing " " (it warns
   that the model is then trained on a context it does not see at inference); ours keeps the prompt's
@@ -108,14 +105,15 @@ def test_prompt_completion_labels_agree_with_trl(tokenizer, model, tmp_path):
         assert tokenizer.decode(row[0]) == prompt + completion + tokenizer.eos_token
 
 
-def test_trl_adds_bos_where_the_tokenizer_does_we_do_not(tokenizer, model, tmp_path):
+def test_bos_where_the_tokenizer_adds_one_as_trl(tokenizer, model, tmp_path):
     with_bos = copy.deepcopy(tokenizer)
     with_bos.add_bos_token = True
-    assert tokenizer("x")["input_ids"][0] != tokenizer.bos_token_id  # SmolLM2's adds none: no difference there
+    assert tokenizer("x")["input_ids"][0] != tokenizer.bos_token_id  # SmolLM2's adds none
     assert with_bos("x")["input_ids"][0] == with_bos.bos_token_id
     ours = our_rows(tasks.instruction_blocks(PROMPT_COMPLETION, with_bos, BLOCK))
     theirs = trl_rows(with_bos, model, completions(PROMPT_COMPLETION), tmp_path, completion_only_loss=True)
-    assert theirs == [([with_bos.bos_token_id, *ids], [False, *labelled]) for ids, labelled in ours]
+    assert ours == theirs
+    assert all(ids[0] == with_bos.bos_token_id and not labelled[0] for ids, labelled in ours)
 
 
 def test_trl_labels_the_joint_tokens_across_a_boundary_we_keep_the_prompts_own(tokenizer, model, tmp_path):
@@ -134,6 +132,22 @@ def test_a_completion_ending_with_eos_gets_no_second_one(tokenizer, model, tmp_p
     pairs = [("Is it?", " yes" + tokenizer.eos_token)]
     ours = our_rows(tasks.instruction_blocks(pairs, tokenizer, BLOCK))
     assert ours == trl_rows(tokenizer, model, completions(pairs), tmp_path, completion_only_loss=True)
+
+
+def test_a_long_prompt_is_cut_as_trls_keep_end_cuts_it(tokenizer, model, tmp_path):
+    """truncation_mode keep_end: TRL keeps the last max_length tokens of prompt + completion, so a
+    long prompt loses its start and the completion stays whole; ours gives the same ids and labels.
+    keep_start differs by design: TRL keeps the first tokens (cutting the completion, and drops an
+    example left without one); ours keeps the prompt's start and the whole completion."""
+    pairs = [(" ".join(f"w{i}" for i in range(40)) + "\nA:", " yes"), PROMPT_COMPLETION[1]]
+    short = 24
+    ours = our_rows(tasks.instruction_blocks(pairs, tokenizer, short, truncation_mode="keep_end"))
+    theirs = trl_rows(tokenizer, model, completions(pairs), tmp_path, completion_only_loss=True, max_length=short,
+                      truncation_mode="keep_end")
+    assert ours == theirs and len(ours[0][0]) == short  # the first is cut, the second fits
+    start = our_rows(tasks.instruction_blocks(pairs, tokenizer, short, truncation_mode="keep_start"))
+    assert labelled_text(tokenizer, start[0]) == " yes" + tokenizer.eos_token
+    assert start[0][0][:short - 2] == tokenizer(pairs[0][0])["input_ids"][:short - 2]
 
 
 def test_trl_has_no_training_template_for_smollm2s(tokenizer):

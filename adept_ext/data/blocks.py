@@ -48,10 +48,40 @@ def pad_id(tokenizer) -> int:
     return pad
 
 
+def document_bos(tokenizer):
+    """The BOS token id the tokenizer puts before a text when it adds special tokens (Llama's,
+    Gemma's, Mistral's), else None (SmolLM2's, Qwen's add none): what starts each document or
+    example, as the tokenizer's own settings say (docs/data.md, "BOS and EOS")."""
+    bos = tokenizer.bos_token_id
+    with_special = tokenizer("x", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    return bos if bos is not None and with_special[:1] == [bos] and plain[:1] != [bos] else None
+
+
+def document_ids(tokenizer, texts: Sequence[str], bos=None) -> List[List[int]]:
+    """Each text's token ids without special tokens, `bos` (`document_bos(tokenizer)`: the
+    tokenizer's BOS where it adds one) first; EOS follows when documents are joined (`pack_stream`)."""
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    return ids if bos is None else [[bos, *doc] for doc in ids]
+
+
 def pack_stream(docs: Iterable[Sequence[int]], eos) -> np.ndarray:
     """One int32 token stream: the documents' ids, each followed by `eos` (when not None)."""
     sep = [] if eos is None else [eos]
     return np.fromiter((t for doc in docs for t in (*doc, *sep)), dtype=np.int32)
+
+
+def stream_rows(stream: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int,
+                pad: int) -> Dict[str, torch.Tensor]:
+    """Rows stream[starts[i], starts[i] + lengths[i]) right-padded to `width` with `pad`: input_ids,
+    attention_mask and labels (the ids, -100 at padding) [len(starts), width]; only those tokens are read."""
+    offsets = np.arange(width)
+    inside = offsets < np.asarray(lengths)[:, None]
+    ids = np.where(inside, stream[np.minimum(np.asarray(starts)[:, None] + offsets, len(stream) - 1)], pad)
+    input_ids = torch.from_numpy(ids.astype(np.int64))
+    attention_mask = torch.from_numpy(inside.astype(np.int64))
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "labels": input_ids.masked_fill(attention_mask == 0, -100)}
 
 
 class PackedBlocks:
@@ -73,13 +103,9 @@ class PackedBlocks:
 
     def rows(self, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
         """input_ids, attention_mask and labels [len(indices), block_len] of those blocks."""
-        positions = np.asarray(indices, dtype=np.int64)[:, None] * self.block_len + np.arange(self.block_len)
-        inside = positions < len(self.stream)
-        ids = np.where(inside, self.stream[np.minimum(positions, len(self.stream) - 1)], self.pad)
-        input_ids = torch.from_numpy(ids.astype(np.int64))
-        attention_mask = torch.from_numpy(inside.astype(np.int64))
-        return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+        starts = np.asarray(indices, dtype=np.int64) * self.block_len
+        return stream_rows(self.stream, starts, np.minimum(len(self.stream) - starts, self.block_len), self.block_len,
+                           self.pad)
 
     def batches(self, indices: Sequence[int], batch_size: int) -> List[Dict[str, torch.Tensor]]:
         """The blocks `indices` as consecutive batches of `batch_size` (built now: for small sets)."""
@@ -107,11 +133,13 @@ class LazyBatches(Sequence):
 
 class TensorBlocks:
     """Blocks held as tensors ({input_ids, attention_mask, labels} [n, block_len]: instruction
-    examples, the general half of BBC News) behind the `rows` interface of PackedBlocks."""
+    examples, the general half of BBC News) behind the `rows` interface of PackedBlocks; examples'
+    blocks (`truncation.ExampleBlocks`) keep their `truncation` counts, other blocks None."""
 
     def __init__(self, blocks: Dict[str, torch.Tensor]):
         self.blocks = blocks
         self.block_len = int(blocks["input_ids"].shape[1])
+        self.truncation = getattr(blocks, "truncation", None)
 
     def __len__(self) -> int:
         return int(self.blocks["input_ids"].shape[0])
@@ -176,6 +204,44 @@ class BlockSet:
         return LazyBatches(self, np.arange(len(self)), batch_size)
 
 
+def interleave_blocks(parts: Sequence[BlockSet], weights: Sequence[float], seed: int,
+                      repeat: bool = True) -> BlockSet:
+    """The blocks of several sources interleaved at random with probabilities ∝ `weights`
+    (LLaMA-Factory's `interleave_probs`, `datasets.interleave_datasets` with
+    stopping_strategy="all_exhausted"): each position draws a source j with probability
+    w_j / Σw and takes its next block (each source in its own order, started again when it runs
+    out), until every source has given every block once — nothing is dropped, a light source is
+    repeated. `repeat=False` (held-out blocks): every block once, a source that ran out skipped.
+    One source: itself. A view: nothing is copied."""
+    if len(parts) != len(weights) or not parts:
+        raise InputError(f"{len(weights)} weights for {len(parts)} sources: give one weight per source")
+    if len(parts) == 1:
+        return parts[0]
+    p = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    sizes = np.asarray([len(part) for part in parts], dtype=np.int64)
+    if not sizes.all():
+        raise InputError("a weighted source holds no block")
+    rng, chosen, taken = np.random.default_rng(seed), [], np.zeros(len(parts), dtype=np.int64)
+    while (taken < sizes).any():  # draws of about max_j(n_j / p_j) positions, in chunks
+        draw = rng.choice(len(parts), size=max(16, int(max(sizes / p)) - int(taken.sum())), p=p)
+        seen = np.zeros(len(parts), dtype=np.int64)
+        for k, j in enumerate(draw):  # cut the chunk where the last source gives its last block
+            seen[j] += 1
+            if ((taken + seen) >= sizes).all():
+                draw = draw[:k + 1]
+                break
+        chosen.append(draw)
+        taken += np.bincount(draw, minlength=len(parts))
+    source = np.concatenate(chosen)
+    nth = np.zeros_like(source)  # the how-many-th block of its source each position takes
+    for j in range(len(parts)):
+        nth[source == j] = np.arange(int((source == j).sum()))
+    if not repeat:
+        source, nth = source[nth < sizes[source]], nth[nth < sizes[source]]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return BlockSet(ConcatBlocks(parts), starts[source] + nth % sizes[source])
+
+
 def mix_blocks(main: BlockSet, extra: BlockSet, fraction: float, seed: int) -> BlockSet:
     """`main`'s blocks in order with a `fraction` f of blocks from `extra` spread evenly among
     them: block k of the result comes from `extra` when ⌊(k+1)·f⌋ > ⌊k·f⌋ (so any n consecutive
@@ -216,6 +282,7 @@ def split_views(blocks, seed: int, what: str) -> Tuple[BlockSet, BlockSet]:
 def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bool = True) -> Dict[str, torch.Tensor]:
     """Tokenise and cut into blocks of `block_len` tokens.
 
+    Each document starts with the tokenizer's BOS where it adds one (`document_bos`).
     pack=True: documents are joined with the EOS token and cut into consecutive blocks (only the
     last block is padded; `PackedBlocks`). pack=False: each document is cut on its own and its
     last block padded. Returns input_ids, attention_mask and labels [n_blocks, block_len]; labels
@@ -225,7 +292,7 @@ def token_blocks(texts: Sequence[str], tokenizer, block_len: int = 128, pack: bo
     if block_len < 2:
         raise InputError(f"block_len must be >= 2, got {block_len}")
     pad = pad_id(tokenizer)
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    ids = document_ids(tokenizer, texts, document_bos(tokenizer))
     if pack:
         blocks = PackedBlocks(pack_stream(ids, tokenizer.eos_token_id), block_len, pad)
         if not len(blocks):

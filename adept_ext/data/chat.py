@@ -8,7 +8,9 @@ ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`, Mistral'
 content; what a template adds after that marker (a newline) is not labelled. This needs a
 template whose rendering of each prefix of a conversation is a prefix of the whole rendering; one
 that is not (e.g. one that drops earlier turns' reasoning) is refused. BOS and EOS are the
-template's: the rendered text is tokenised without adding special tokens.
+template's: the rendered text is tokenised without adding special tokens. A conversation longer than
+`max_length` is cut by `truncation_mode` (`truncation.kept`), its kept tokens labelled as in the whole
+rendering.
 """
 import re
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 
 from ..errors import InputError
 from .blocks import pad_rows
+from .truncation import ExampleBlocks, Truncation, check_mode, kept
 
 ROLES = ("system", "user", "assistant")
 SPECIAL_LOOKING = re.compile(r"<\|[^<>|\s]+\|>|<(?:start|end)_of_turn>")  # ChatML/Llama 3's and Gemma's markers
@@ -97,26 +100,50 @@ def assistant_spans(tokenizer, messages, template: str, where: str) -> Tuple[str
     return full, spans
 
 
-def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, block_len: int, template: str,
-                train_on_prompt: bool = False, where: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
+def turn_starts(tokenizer, messages, template: str, text: str, offsets, where: str) -> List[int]:
+    """The token positions in `text` (the rendered conversation, tokens at character `offsets`)
+    where a user or system turn after the first begins: where the rendering of the turns before it
+    ends, when that is a prefix of `text`."""
+    starts = []
+    for i, message in enumerate(messages[1:], 1):
+        before = render(tokenizer, messages[:i], template, False, where)
+        if message["role"] != "assistant" and text.startswith(before):
+            starts.append(next((t for t, (a, _) in enumerate(offsets) if a >= len(before)), len(offsets)))
+    return starts
+
+
+def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, max_length: int, template: str,
+                train_on_prompt: bool = False, where: Sequence[str] = (), truncation_mode: str = "keep_end",
+                source: str = "the conversations") -> ExampleBlocks:
     """One right-padded block per conversation, labelled on its assistant turns (every token with
-    `train_on_prompt`); InputError for a conversation longer than `block_len` tokens."""
-    rows, labels = [], []
+    `train_on_prompt`). A conversation longer than `max_length` tokens keeps its first ones
+    (`keep_start`) or its last turns (`keep_end`, from a user or system turn's start where one
+    fits, else its last `max_length` tokens), labelled as in the whole rendering; one left without
+    a labelled token to predict is skipped (`truncation`), and InputError naming `source` when
+    every one is."""
+    check_mode(truncation_mode)
+    rows, labels, counts = [], [], Truncation(len(conversations))
     for n, messages in enumerate(conversations):
         place = where[n] if n < len(where) else f"conversation {n + 1}"
         text, spans = assistant_spans(tokenizer, messages, template, place)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoded["input_ids"]
-        if len(ids) > block_len:
-            raise InputError(f"{place}: the conversation has {len(ids)} tokens, more than a block of {block_len}")
-        rows.append(ids)
-        labels.append([train_on_prompt or any(a <= start < b for a, b in spans)
-                       for start, _ in encoded["offset_mapping"]])
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        starts = (turn_starts(tokenizer, messages, template, text, offsets, place)
+                  if len(ids) > max_length and truncation_mode == "keep_end" else ())
+        keep = kept(len(ids), max_length, truncation_mode, starts)
+        marks = [train_on_prompt or any(a <= start < b for a, b in spans) for start, _ in offsets[keep]]
+        if not any(marks[1:]):  # the first token is never a target
+            counts.skipped += 1
+            continue
+        counts.truncated += len(marks) < len(ids)
+        rows.append(ids[keep])
+        labels.append(marks)
+    counts.check(source, f"none keeps an assistant token to train on within --max-length {max_length} "
+                         f"(truncation_mode {truncation_mode}); raise --max-length or choose the other truncation_mode")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids, attention_mask = pad_rows(rows, pad, block_len)
+    input_ids, attention_mask = pad_rows(rows, pad, max_length)
     labelled = torch.zeros_like(input_ids, dtype=torch.bool)
     for i, row in enumerate(labels):
         labelled[i, :len(row)] = torch.tensor(row, dtype=torch.bool)
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "labels": input_ids.masked_fill(~labelled, -100)}
-
+    return ExampleBlocks({"input_ids": input_ids, "attention_mask": attention_mask,
+                          "labels": input_ids.masked_fill(~labelled, -100)}, counts)

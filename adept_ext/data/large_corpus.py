@@ -18,15 +18,18 @@ Under torchrun every rank reads the same blocks in the same order and keeps its 
 (the trainer's batch i goes to rank i mod W), so the data are sharded by rank without a
 sharding scheme of their own; rank 0 builds the caches first (`parallel.rank_zero_first`).
 """
+import itertools
 import os
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset
 
 from ..errors import InputError
-from .blocks import PackedBlocks, block_rows, pack_stream, pad_id
+from .blocks import PackedBlocks, block_rows, document_bos, document_ids, pack_stream, pad_id
+from .packing import DocumentRows
 from .sources import BUILTIN_CORPORA, corpus_files, iter_documents, load_texts
 
 WRITE_BATCH = 8000  # documents per tokenizer call and per Arrow record batch
@@ -89,13 +92,14 @@ def load_documents(source: str, streaming: bool = False):
 
 
 class _Tokenize:
-    """The batched `map` function: {"text": [...]} -> {"input_ids": [...]} without special tokens."""
+    """The batched `map` function: {"text": [...]} -> {"input_ids": [...]}, `blocks.document_ids`
+    (the BOS is part of its state, so of the cache's fingerprint)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+        self.tokenizer, self.bos = tokenizer, document_bos(tokenizer)
 
     def __call__(self, batch):
-        return {"input_ids": self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]}
+        return {"input_ids": document_ids(self.tokenizer, batch["text"], self.bos)}
 
 
 def tokenize(dataset, tokenizer, workers: int = 1):
@@ -132,8 +136,23 @@ def _write_stream(tokens, eos: Optional[int], path: Path):
     os.replace(tmp, path)
 
 
-def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1) -> PackedBlocks:
-    """The corpus `source` as blocks of a memory-mapped token stream (see the module docstring)."""
+def _write_ends(tokens, eos: Optional[int], path: Path):
+    """Each document's end in the stream `_write_stream` writes (int64, its EOS included), atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as out:
+        end = 0
+        for batch in tokens.data.to_batches(max_chunksize=WRITE_BATCH):
+            sizes = np.diff(batch.column("input_ids").offsets.to_numpy()) + (eos is not None)
+            ends = end + np.cumsum(sizes, dtype=np.int64)
+            ends.tofile(out)
+            end = int(ends[-1]) if len(ends) else end
+    os.replace(tmp, path)
+
+
+def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1, documents: bool = False):
+    """The corpus `source` as blocks of a memory-mapped token stream (see the module docstring);
+    `documents`: as `packing.DocumentRows` of it, one row per document (`--packing`), the documents'
+    ends in a second file beside the stream."""
     tokens = tokenize(load_documents(source), tokenizer, workers)
     if not tokens.cache_files:
         raise InputError(f"corpus {source!r}: the tokenised dataset has no cache file to pack beside")
@@ -142,7 +161,14 @@ def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1) -> P
     if not path.exists():
         _write_stream(tokens, eos, path)
     stream = np.memmap(path, dtype=np.int32, mode="r") if path.stat().st_size else np.zeros(0, np.int32)
-    blocks = PackedBlocks(stream, block_len, pad_id(tokenizer))
+    if documents:
+        ends_path = path.with_suffix(".ends.int64")
+        if not ends_path.exists():
+            _write_ends(tokens, eos, ends_path)
+        ends = np.memmap(ends_path, dtype=np.int64, mode="r") if ends_path.stat().st_size else np.zeros(0, np.int64)
+        blocks = DocumentRows(stream, ends, block_len, pad_id(tokenizer))
+    else:
+        blocks = PackedBlocks(stream, block_len, pad_id(tokenizer))
     if not len(blocks):
         raise InputError(f"corpus {source!r} holds no text with a token to score")
     return blocks
@@ -150,8 +176,8 @@ def packed_blocks(source: str, tokenizer, block_len: int, workers: int = 1) -> P
 
 class BlockStream:
     """Blocks of `block_len` tokens packed on the fly from a streamed corpus, in corpus order:
-    `take(n)` the first n blocks (held-out, probe), then `batches(skip, B)` the rest as a
-    sequence of batches read lazily (see `StreamBatches`)."""
+    `take(n)` the first n blocks (held-out, probe), then `StreamBatches` the rest as batches read
+    as the run consumes them."""
 
     def __init__(self, source: str, tokenizer, block_len: int):
         if block_len < 2:
@@ -186,53 +212,57 @@ class BlockStream:
                 for i in range(0, len(blocks), batch_size)]
 
 
-class StreamBatches(Sequence):
-    """Training batches of a `BlockStream` after its first `skip` blocks: batch i is read when asked
-    for, moving forward through the stream (asking for an earlier batch restarts it; so does a
-    resumed run, which skips ahead). The length is unknown until the stream ends, so `len` is
-    effectively infinite and, once the end has been seen, batch i is batch i mod the true count
-    (the corpus is cycled like an in-memory one)."""
+class StreamBatches(IterableDataset):
+    """Training batches of a `BlockStream` after its first `skip` blocks (batch i: the stream's
+    blocks skip + i·B … skip + (i+1)·B - 1), as an `IterableDataset` that yields the batches
+    `order` names (`reading`; every batch, cycled without end, by default), reading the stream
+    forward once: the batches before the first one named (a resumed run's) are passed over, not
+    built, an earlier index than the last restarts the stream, and once its end has been read,
+    index i is batch i mod the number of batches (the corpus is cycled like an in-memory one).
+    It has no length: that of the stream is unknown until it has been read."""
 
-    UNKNOWN = 2 ** 62
-
-    def __init__(self, stream: BlockStream, skip: int, batch_size: int):
+    def __init__(self, stream: BlockStream, skip: int, batch_size: int, order: Iterable[int] = None):
         if batch_size < 1:
             raise InputError(f"batch_size must be >= 1, got {batch_size}")
         self.stream, self.skip, self.batch_size = stream, skip, batch_size
-        self.count = None  # batches in the stream, once its end was reached
-        self._restart()
+        self.order = itertools.count() if order is None else order
 
-    def _restart(self):
-        self._blocks = iter(self.stream)
-        for _ in range(self.skip):
-            next(self._blocks, None)
-        self._next = 0
+    def reading(self, order: Iterable[int]) -> "StreamBatches":
+        """The same batches yielding those of `order` (a range: picklable for a loader worker)."""
+        return StreamBatches(self.stream, self.skip, self.batch_size, order)
 
-    def __len__(self) -> int:
-        return self.UNKNOWN if self.count is None else self.count
+    def _chunks(self) -> Iterator[List[np.ndarray]]:
+        blocks = itertools.islice(self.stream, self.skip, None)
+        while chunk := list(itertools.islice(blocks, self.batch_size)):
+            yield chunk
 
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        if self.count is not None:
-            i %= self.count
-        if i < self._next:
-            self._restart()
-        while True:
-            batch = [b for _, b in zip(range(self.batch_size), self._blocks)]
-            if not batch:
-                if self._next == 0:
-                    raise InputError(f"corpus {self.stream.source!r}: no training block after the first {self.skip}")
-                self.count = self._next
-                return self[i % self.count]
-            self._next += 1
-            if self._next - 1 == i:
-                return block_rows(batch, self.stream.pad, self.stream.block_len)
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        count, chunks, position = None, self._chunks(), 0  # position: the index of the next chunk
+        for i in self.order:
+            i = i if count is None else i % count
+            if i < position:
+                chunks, position = self._chunks(), 0
+            while position <= i:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    if position == 0:
+                        raise InputError(f"corpus {self.stream.source!r}: no training block after the first "
+                                         f"{self.skip}")
+                    count, i = position, i % position
+                    chunks, position = self._chunks(), 0
+                    continue
+                position += 1
+            yield block_rows(chunk, self.stream.pad, self.stream.block_len)
 
 
-def corpus_blocks(source: str, tokenizer, block_len: int = 128, workers: int = 1) -> PackedBlocks:
+def corpus_blocks(source: str, tokenizer, block_len: int = 128, workers: int = 1, documents: bool = False):
     """A corpus as `PackedBlocks`: a built-in corpus tokenised in memory; a file, folder or saved
     dataset through `packed_blocks` (Hugging Face datasets, cached on disk, memory-mapped). The
-    blocks are those of `token_blocks(load_texts(source), ...)` either way."""
+    blocks are those of `token_blocks(load_texts(source), ...)` either way. `documents`
+    (`--packing`): as `packing.DocumentRows`, one row per document piece, the same tokens."""
     if source in BUILTIN_CORPORA:
-        ids = tokenizer(load_texts(source), add_special_tokens=False)["input_ids"]
+        ids = document_ids(tokenizer, load_texts(source), document_bos(tokenizer))
+        if documents:
+            return DocumentRows.of(ids, tokenizer.eos_token_id, block_len, pad_id(tokenizer))
         return PackedBlocks(pack_stream(ids, tokenizer.eos_token_id), block_len, pad_id(tokenizer))
-    return packed_blocks(source, tokenizer, block_len, workers)
+    return packed_blocks(source, tokenizer, block_len, workers, documents)

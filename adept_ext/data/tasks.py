@@ -27,9 +27,11 @@ import torch
 from ..errors import InputError
 from .chat import chat_blocks, messages_of
 from .chat import chat_template as chat_template_of
-from .blocks import BlockSet, TensorBlocks, batches, pad_id, pad_rows, split_views, token_blocks
+from .blocks import (BlockSet, TensorBlocks, batches, document_bos, document_ids, pad_id, pad_rows, split_views,
+                     token_blocks)
 from .large_corpus import corpus_blocks
 from .packing import DocumentRows
+from .truncation import ExampleBlocks, Truncation, check_mode, kept
 from .sources import (BUILTIN_CORPORA, bbc_news_labelled, jsonl_records, parliament_speeches_labelled,
                       rotten_tomatoes_labelled, sms_spam_labelled)
 
@@ -115,7 +117,7 @@ def general_blocks(source: str, tokenizer, block_len: int, workers: int = 1, doc
     if source == "bbc-news":
         texts = [text for text, _ in bbc_halves()[0]]
         if documents:
-            return DocumentRows.of(tokenizer(texts, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id,
+            return DocumentRows.of(document_ids(tokenizer, texts, document_bos(tokenizer)), tokenizer.eos_token_id,
                                    block_len, pad_id(tokenizer))
         return TensorBlocks(token_blocks(texts, tokenizer, block_len))
     return corpus_blocks(source, tokenizer, block_len, workers, documents)
@@ -173,27 +175,38 @@ def jsonl_kind(path: Path) -> str:
     return "text"  # empty: corpus_blocks says so
 
 
-def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, block_len: int,
-                       train_on_prompt: bool = False) -> Dict[str, torch.Tensor]:
-    """One right-padded block per example: prompt tokens (cut from the left to fit), answer tokens
-    and EOS, labels only on the answer and EOS (on every token with `train_on_prompt`)."""
-    eos = tokenizer.eos_token_id
-    rows, answer_starts = [], []
+def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, max_length: int,
+                       train_on_prompt: bool = False, truncation_mode: str = "keep_end",
+                       source: str = "the examples") -> ExampleBlocks:
+    """One right-padded block per example: BOS where the tokenizer adds one (`blocks.document_bos`,
+    as TRL), prompt tokens, answer tokens and EOS, labels only on the answer and EOS (on every
+    token with `train_on_prompt`). A prompt too long for the answer
+    keeps its end (`keep_end`) or its start (`keep_start`); an answer is never cut: an example
+    whose answer and EOS take `max_length` tokens or more is skipped (`truncation`), and
+    InputError naming `source` when every one is."""
+    check_mode(truncation_mode)
+    eos, bos = tokenizer.eos_token_id, [] if document_bos(tokenizer) is None else [document_bos(tokenizer)]
+    rows, answer_starts, counts, longest = [], [], Truncation(len(examples)), 0
     for prompt, answer in examples:
         a = tokenizer(answer, add_special_tokens=False)["input_ids"]
         a += [eos] if eos is not None and a[-1:] != [eos] else []  # never a second EOS (as TRL)
-        if len(a) >= block_len:
-            raise InputError(f"an answer of {len(a)} tokens does not fit a block of {block_len}")
-        p = (tokenizer(prompt, add_special_tokens=False)["input_ids"][-(block_len - len(a)):]
-             if block_len > len(a) else [])
+        longest = max(longest, len(a))
+        if len(a) + len(bos) >= max_length:  # no prompt token would be left to predict its first token from
+            counts.skipped += 1
+            continue
+        whole = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        p = bos + whole[kept(len(whole), max_length - len(a) - len(bos), truncation_mode)]
+        counts.truncated += len(p) < len(whole) + len(bos)
         rows.append(p + a)
         answer_starts.append(len(p))
+    counts.check(source, f"each answer with its EOS takes --max-length {max_length} tokens or more (the longest "
+                         f"{longest}), which leaves no room for the prompt; raise --max-length")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    input_ids, attention_mask = pad_rows(rows, pad, block_len)
-    positions = torch.arange(block_len)
+    input_ids, attention_mask = pad_rows(rows, pad, max_length)
+    positions = torch.arange(max_length)
     labelled = ((positions >= torch.tensor(answer_starts)[:, None]) | train_on_prompt) & (attention_mask == 1)
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "labels": input_ids.masked_fill(~labelled, -100)}
+    return ExampleBlocks({"input_ids": input_ids, "attention_mask": attention_mask,
+                          "labels": input_ids.masked_fill(~labelled, -100)}, counts)
 
 
 def is_conversational_file(path: Path) -> bool:
@@ -209,30 +222,35 @@ def is_instruction_file(source: str) -> bool:
     return path.suffix == ".jsonl" and path.is_file() and jsonl_kind(path) == "instruction"
 
 
-def instruction_file_blocks(path: Path, tokenizer, block_len: int, chat_template: str = "",
-                            train_on_prompt: bool = False) -> TensorBlocks:
+def instruction_file_blocks(path: Path, tokenizer, max_length: int, chat_template: str = "",
+                            train_on_prompt: bool = False, truncation_mode: str = "keep_end") -> TensorBlocks:
     """One block per record of an instruction or conversational JSONL (`read_examples`):
     `instruction_blocks` for prompt/completion and prompt/answer records, `chat.chat_blocks`
-    (the template: `chat_template`, a file, else the tokenizer's) for conversations."""
+    (the template: `chat_template`, a file, else the tokenizer's) for conversations; an example
+    longer than `max_length` is cut or skipped by `truncation_mode` (the blocks' `truncation`)."""
     record_kind, examples, where = read_examples(path)
     if record_kind in CONVERSATIONAL_FORMATS:
         template = chat_template_of(tokenizer, chat_template)
-        return TensorBlocks(chat_blocks(examples, tokenizer, block_len, template, train_on_prompt, where))
-    return TensorBlocks(instruction_blocks(examples, tokenizer, block_len, train_on_prompt))
+        return TensorBlocks(chat_blocks(examples, tokenizer, max_length, template, train_on_prompt, where,
+                                        truncation_mode, str(path)))
+    return TensorBlocks(instruction_blocks(examples, tokenizer, max_length, train_on_prompt, truncation_mode,
+                                           str(path)))
 
 
 def corpus_or_examples(source: str, tokenizer, block_len: int, workers: int = 1, chat_template: str = "",
-                       train_on_prompt: bool = False, documents: bool = False) -> BlockSet:
+                       train_on_prompt: bool = False, documents: bool = False,
+                       truncation_mode: str = "keep_end") -> BlockSet:
     """A runner's corpus: an instruction or conversational JSONL as one labelled block per example
-    (`instruction_file_blocks`), anything else as `corpus_blocks` reads it (`documents`: one row per
-    document, `--packing`)."""
+    (`instruction_file_blocks`, cut to `block_len` by `truncation_mode`), anything else as
+    `corpus_blocks` reads it (`documents`: one row per document, `--packing`)."""
     if is_instruction_file(source):
-        return instruction_file_blocks(Path(source), tokenizer, block_len, chat_template, train_on_prompt)
+        return instruction_file_blocks(Path(source), tokenizer, block_len, chat_template, train_on_prompt,
+                                       truncation_mode)
     return corpus_blocks(source, tokenizer, block_len, workers, documents)
 
 
 def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",
-              train_on_prompt: bool = False, documents: bool = False) -> Task:
+              train_on_prompt: bool = False, documents: bool = False, truncation_mode: str = "keep_end") -> Task:
     """The task named or stored at `source`, or `name=source` to name it (see the module
     docstring; default: the built-in name or the file stem): a text task's file, folder
     or saved dataset is tokenised through Hugging Face datasets by `workers` processes, cached on
@@ -241,7 +259,8 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
     labelled on the assistant turns, instruction records on the answer (everything with
     `train_on_prompt`). InputError/FileNotFoundError for a missing, empty or malformed source, or
     one with too little data to hold any out. `documents` (`--packing`): a text task as one row per
-    document (`corpus_blocks`)."""
+    document (`corpus_blocks`). An example longer than `block_len` is cut or skipped by
+    `truncation_mode` (`instruction_blocks`, `chat.chat_blocks`)."""
     given_name, named, rest = source.partition("=")
     if named and "/" not in given_name:  # NAME=SOURCE (a path may hold "=" in a folder's name)
         if not (given_name.strip() and rest.strip()):
@@ -267,8 +286,9 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
 
     def labelled(on_prompt: bool):
         if examples is None:  # a JSONL file's records
-            return instruction_file_blocks(path, tokenizer, block_len, chat_template, on_prompt)
-        return TensorBlocks(instruction_blocks(examples, tokenizer, block_len, on_prompt))
+            return instruction_file_blocks(path, tokenizer, block_len, chat_template, on_prompt, truncation_mode)
+        return TensorBlocks(instruction_blocks(examples, tokenizer, block_len, on_prompt, truncation_mode,
+                                               f"task {name!r}"))
 
     blocks = labelled(train_on_prompt)
     if len(blocks) < 2:
@@ -280,13 +300,15 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
 
 
 def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",
-               train_on_prompt: bool = False, documents: bool = False) -> List[Task]:
+               train_on_prompt: bool = False, documents: bool = False,
+               truncation_mode: str = "keep_end") -> List[Task]:
     """The tasks of `--tasks` (comma-separated sources, or a sequence name of SEQUENCES: `builtin`,
     `classification`), in order; ValueError for an empty list or duplicate names."""
     sources = list(SEQUENCES[spec]) if spec in SEQUENCES else [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
         raise InputError("--tasks names no task")
-    tasks = [load_task(s, tokenizer, block_len, seed, workers, chat_template, train_on_prompt, documents)
+    tasks = [load_task(s, tokenizer, block_len, seed, workers, chat_template, train_on_prompt, documents,
+                       truncation_mode)
              for s in sources]
     names = [t.name for t in tasks]
     duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -4,11 +4,11 @@ configured by its own `MethodConfig` dataclass: `get_method(AdeptConfig(k=4))`, 
 
 Single domain (`adept-ext run`): adept, full, llama_pro, freeze_deep, lora, adept_no_expand,
 adept_uniform_lr. Task sequences (`adept-ext continual`): seq_full, seq_lora, replay, o_lora,
-adept_seq, llama_pro_seq, eoupct, deal, per_task (oracle).
+osf, adept_seq, llama_pro_seq, eoupct, deal, per_task (oracle).
 """
 # Imported in the order the methods are listed in the CLI and the comparisons (registration order).
 from . import adept, full, llama_pro, freeze_deep, lora, adept_no_expand, adept_uniform_lr  # noqa: F401, I001
-from . import replay, o_lora, adept_seq, eoupct, deal, per_task  # noqa: F401, I001
+from . import replay, o_lora, osf, adept_seq, eoupct, deal, per_task  # noqa: F401, I001
 from .adept import AdeptConfig
 from .adept_no_expand import AdeptNoExpandConfig
 from .adept_seq import AdeptSeqConfig, LlamaProSeqConfig
@@ -22,11 +22,13 @@ from .full import FullConfig, SeqFullConfig
 from .llama_pro import LlamaProConfig
 from .lora import LoraMethodConfig, SeqLoraConfig
 from .o_lora import OLoraConfig
+from .osf import OsfMethodConfig
 from .per_task import PerTaskConfig
 from .replay import ReplayConfig
 
 __all__ = ["REGISTRY", "Context", "Method", "MethodConfig", "MethodError", "Setup", "create", "get_method",
            "method_names", "register",
            "AdeptConfig", "FullConfig", "LlamaProConfig", "FreezeDeepConfig", "LoraMethodConfig", "AdeptNoExpandConfig",
-           "AdeptUniformLrConfig", "SeqFullConfig", "SeqLoraConfig", "ReplayConfig", "OLoraConfig", "AdeptSeqConfig",
+           "AdeptUniformLrConfig", "SeqFullConfig", "SeqLoraConfig", "ReplayConfig", "OLoraConfig", "OsfMethodConfig",
+           "AdeptSeqConfig",
            "LlamaProSeqConfig", "EoupCTConfig", "DealConfig", "PerTaskConfig"]

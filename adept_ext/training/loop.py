@@ -19,6 +19,7 @@ from ..ops.torch_internals import uncompile_module
 from ..optim import GroupedAdamW
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
 from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb
+from .loader import batch_loader
 from .rundir import CHECKPOINT, atomic_write
 
 logger = logging.getLogger(__name__)
@@ -31,13 +32,14 @@ def vocab_size(model) -> int:
 
 def to_device(batch: Dict[str, torch.Tensor], device: torch.device, vocab: int) -> Dict[str, torch.Tensor]:
     """A batch built on the host, its labels checked there (`data.check_labels`, InputError), on
-    `device`: on a GPU copied from pinned memory, so that the copy does not wait for the work
-    queued before it. A batch already on a GPU (a benchmark's) is taken as it is."""
+    `device`: on a GPU copied from pinned memory (pinned here unless the training loader pinned
+    it), so that the copy does not wait for the work queued before it. A batch already on a GPU
+    (`evaluate` on a caller's own batches) is taken as it is."""
     if not batch["labels"].is_cpu:
         return batch
     check_labels(batch, vocab)
     if device.type == "cuda":
-        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+        return {k: (v if v.is_pinned() else v.pin_memory()).to(device, non_blocking=True) for k, v in batch.items()}
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -134,9 +136,12 @@ def step_items(micro_batches, world: int) -> torch.Tensor:
 
 def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
                 desc: str, progress: bool, *, after_step, tracker=None, step_offset: int = 0) -> int:
-    """AdamW steps from `step` up to `cfg.steps` over `batches` (cycled, `cfg.grad_accum` micro-
-    batches per step and rank, each through `to_device`; bf16 autocast when `bf16`, gradient
-    clipping), the loss from `task.loss`; calls `after_step(step)` after each step. Returns the step.
+    """AdamW steps from `step` up to `cfg.steps` over `batches` (a sequence of host batches, cycled,
+    or a `data.StreamBatches`), `cfg.grad_accum` micro-batches per step and rank read through
+    `loader.batch_loader` (its order: the same batches whatever the step a run resumed at and the
+    number of loader workers, which stop when the steps end or fail) and `to_device`; bf16
+    autocast when `bf16`, gradient clipping; the loss from `task.loss`; calls `after_step(step)`
+    after each step. Returns the step.
     A micro-batch's loss is its share of the step's mean over every labelled token of the step's
     micro-batches on every rank (`step_items`), so uneven counts (instruction data) weigh each
     token alike and a micro-batch without one adds 0.
@@ -147,12 +152,13 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
     appended to `history["train"]` with the step's lr, shown on the progress bar with the tokens/s
     since the last read, and sent to `tracker` (at step `step_offset + step`) with the step's grad
     norm, peak memory and the method's own metrics. Under data parallelism `model` is the
-    DDP-wrapped model and rank r takes micro-batches r, r + W, … (see `parallel`)."""
+    DDP-wrapped model and rank r takes micro-batches r, r + W, … (`loader.micro_batch_order`)."""
     world, rank, device = parallel.world_size(), parallel.rank(), torch.device(device)
     vocab, tracking = vocab_size(task.model), tracker is not None and tracker.active
     tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.max_length * world
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # float64: the sum a Python float would hold
     last_read = step
+    loader = iter(batch_loader(batches, cfg, step, device, world, rank))  # workers start reading ahead
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress)
     try:
         while step < cfg.steps:
@@ -160,8 +166,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
                 started = time.perf_counter()
             read = (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.steps
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = [to_device(batches[((step * cfg.grad_accum + micro) * world + rank) % len(batches)],
-                                       device, vocab) for micro in range(cfg.grad_accum)]
+            micro_batches = [to_device(next(loader), device, vocab) for _ in range(cfg.grad_accum)]
             num_items = step_items(micro_batches, world)
             for batch in micro_batches:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -199,6 +204,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
             after_step(step)
     finally:
         bar.close()
+        del loader  # the last reference: its workers stop now, also when a step or `after_step` raised
     return step
 
 

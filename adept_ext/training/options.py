@@ -8,7 +8,8 @@ from typing import Collection, Dict, Optional
 
 import torch
 
-from .. import parallel
+from .. import harness, lm_eval_tasks, parallel
+from ..data.truncation import MODES as TRUNCATION_MODES
 from ..errors import RunError
 from ..lm_loss import LOSS_IMPLEMENTATIONS
 from ..methods import create, method_names
@@ -82,17 +83,68 @@ class TrainOptions:
     overwrite: bool = option(False, help="replace an existing run in --out")
     data_workers: int = option(0, help=(
         "processes tokenising a file, folder or saved-dataset corpus (0 = the CPU count, at most 8)"))
+    dataloader_num_workers: int = option(0, help=(
+        "processes that build the training batches ahead of the steps (Hugging Face's dataloader_num_workers: "
+        "torch DataLoader workers; pinned memory on a GPU): 0 builds them in the training process; the batches and "
+        "their order are the same for any count; with --streaming at most 1 (one process reads a stream in order)"))
     chat_template: str = option("", help=(
         "a Jinja chat template file for conversational data (messages, alpaca, sharegpt records) instead of the "
         "tokenizer's (needed when it has none)"))
     train_on_prompt: bool = option(False, help=(
         "train instruction and conversational data on every token, not only the completions / assistant turns"))
+    truncation_mode: str = option("keep_end", help=(
+        "an instruction example or conversation longer than --max-length (TRL's truncation_mode): keep_end keeps "
+        "the end of a prompt (the answer is never cut: an example whose answer and EOS do not fit with a prompt "
+        "token is skipped) and a conversation's last turns, from the start of a user or system turn where one fits; "
+        "keep_start keeps the start of a prompt and a conversation's first tokens; an example left without a token "
+        "to train on is skipped, counted in report.json's data, and a file whose every example is skipped is an "
+        "error; text is cut into blocks and never truncated"))
+    packing: bool = option(False, help=(
+        "pack whole documents (text) or examples (instruction, conversational) into the training rows of "
+        "--max-length by best-fit decreasing, a document longer than a row split into rows first, with position "
+        "ids restarting at each document and attention confined to it (TRL's padding-free bfd packing); held-out, "
+        "probe and diagnosis rows stay one padded row per document or example; an architecture whose attention "
+        "would cross documents is refused; not with --streaming"))
     report_to: str = option("none", help=(
         "live tracking (Hugging Face's names): `none`, or a comma-separated list of `tensorboard` (event files in "
         "`--out`/runs), `mlflow` (a local file store in `--out`/mlruns unless `MLFLOW_TRACKING_URI` is set), "
         "`wandb`, `trackio`; training loss, lr, grad norm, tokens/s, peak memory and ADEPT's rate statistics every "
         "`--logging-steps` steps, every held-out evaluation, and in `continual` each task's scores and the running "
         "AA / BWT; rank 0 only; a backend that is not installed is an error before anything trains"))
+
+
+@dataclass
+class BenchmarkOptions:
+    """Benchmark evaluation through EleutherAI's lm-evaluation-harness (`adept_ext.harness`), named as
+    lm-eval's own command names them; a runner's options class inherits it (`RunOptions`)."""
+
+    benchmarks: str = option("", help=(
+        "lm-evaluation-harness task names, comma-separated (lm-eval's --tasks: its built-in tasks such as "
+        "hellaswag or arc_easy, or the tasks of --include-path), scored in-process on the in-memory model: each "
+        "metric with its stderr and item count in the report (docs/evaluation.md); needs `pip install "
+        "\"adept-ext[lm-eval]\"`"))
+    include_path: str = option("", help=(
+        "a folder of lm-eval YAML task files (lm-eval's --include_path; a task over local files, `dataset_path: "
+        "json` with `data_files`, runs offline); when it holds every task of --benchmarks, lm-eval's built-in "
+        "tasks are not indexed"))
+    num_fewshot: int = option(-1, help="examples in context per item (lm-eval's --num_fewshot); -1: each task's own")
+    limit: int = option(-1, help=(
+        "at most N items per task (lm-eval's --limit: a quick look, its stderr grows as N shrinks); -1: every item"))
+    apply_chat_template: bool = option(False, help=(
+        "render each item with the tokenizer's chat template (lm-eval's --apply_chat_template; for Instruct "
+        "models)"))
+    fewshot_as_multiturn: bool = option(False, help=(
+        "the few-shot examples as alternating chat turns (lm-eval's --fewshot_as_multiturn, which its command "
+        "turns on with the chat template); needs --apply-chat-template"))
+    log_samples: bool = option(False, help=(
+        "write every evaluated item (prompt, responses, metrics) as JSON lines to `--out` (lm-eval's --log_samples): "
+        "benchmark_samples.jsonl (eval), benchmark_samples_base.jsonl and benchmark_samples_final.jsonl (run)"))
+
+
+def check_benchmark_options(cfg: BenchmarkOptions):
+    """RunError for bad benchmark options (`harness.check_benchmarks`), before anything loads."""
+    harness.check_benchmarks(harness.task_list(cfg.benchmarks), cfg.include_path, cfg.limit, cfg.num_fewshot,
+                             cfg.apply_chat_template, cfg.fewshot_as_multiturn)
 
 
 _COMPOSED: Dict[tuple, type] = {}
@@ -153,7 +205,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     for name in ("max_length", "batch_size", "grad_accum", "steps", "logging_steps", "probe_blocks", "eval_blocks"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm"):
+    for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm", "dataloader_num_workers"):
         if not getattr(cfg, name) >= 0:
             raise RunError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
@@ -186,7 +238,13 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
                        "traced inside each compiled layer); use --compile with ddp, or fsdp2 without --compile")
     if cfg.chat_template and not os.path.isfile(cfg.chat_template):
         raise RunError(f"--chat-template {cfg.chat_template}: no such file")
+    if cfg.truncation_mode not in TRUNCATION_MODES:
+        raise RunError(f"truncation_mode must be one of {', '.join(TRUNCATION_MODES)}, got {cfg.truncation_mode!r}")
     backends_of(cfg.report_to)  # an unknown or missing backend: an error before anything trains
+    if isinstance(cfg, BenchmarkOptions):
+        check_benchmark_options(cfg)
+        if sequence:  # adept_ext's own tasks as benchmarks: the items held out with this run's seed
+            lm_eval_tasks.check_seed(harness.task_list(cfg.benchmarks), cfg.seed)
     check_attention(cfg.attn_implementation, "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda")
     method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
     for name in (method_names(sequence=True) if sequence else method_names(single_domain=True)):

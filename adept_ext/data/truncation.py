@@ -1,0 +1,73 @@
+"""What `--max-length` does to an instruction example or a conversation longer than it (TRL's
+`truncation_mode`, docs/data.md "Longer than --max-length"), and the count of what it cut.
+
+TRL slices the whole tokenised sequence: `keep_start` keeps its first `max_length` tokens,
+`keep_end` its last. Here a prompt/answer or prompt/completion example shortens its prompt only
+(the answer and EOS are kept whole; an example whose answer and EOS leave no room for a prompt
+token is skipped, never cut), and a conversation keeps its first tokens (`keep_start`) or its last
+turns, from the start of a user or system turn where one leaves the rest within `max_length`
+(`keep_end`). An example left without a token to train on is skipped and counted; a source whose
+every example is skipped is an error naming it. Text is cut into blocks of `max_length`: nothing
+of it is dropped.
+"""
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Sequence
+
+from ..errors import InputError
+
+MODES = ("keep_end", "keep_start")
+
+
+@dataclass
+class Truncation:
+    """A source's examples, and how many of them were cut to `max_length` (`truncated`: kept in
+    part) or `skipped` (nothing left to train on)."""
+
+    examples: int = 0
+    truncated: int = 0
+    skipped: int = 0
+
+    def __str__(self) -> str:
+        return (f"{self.examples} examples: {self.truncated} truncated to --max-length, {self.skipped} skipped "
+                f"(nothing left to train on)")
+
+    def check(self, source: str, why: str):
+        """InputError naming `source` when every example is skipped (`why`: for what)."""
+        if self.examples and self.skipped == self.examples:
+            raise InputError(f"{source}: every one of its {self.examples} example{'s' * (self.examples > 1)} is "
+                             f"skipped: {why}")
+
+
+class ExampleBlocks(dict):
+    """Blocks of examples ({input_ids, attention_mask, labels} [n, max_length]) with their
+    `truncation` counts; `blocks.TensorBlocks` keeps them."""
+
+    def __init__(self, tensors: Dict, truncation: Truncation):
+        super().__init__(tensors)
+        self.truncation = truncation
+
+
+def check_mode(mode: str):
+    if mode not in MODES:
+        raise InputError(f"truncation_mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def kept(length: int, max_length: int, mode: str, starts: Sequence[int] = ()) -> slice:
+    """The tokens kept of a sequence of `length`: all when it fits; else its first `max_length`
+    (`keep_start`), or its end (`keep_end`) from the first of the ascending token positions
+    `starts` (where a turn begins) that leaves at most `max_length`, else its last `max_length`."""
+    check_mode(mode)
+    if length <= max_length:
+        return slice(0, length)
+    if mode == "keep_start":
+        return slice(0, max_length)
+    return slice(next((s for s in starts if length - s <= max_length), length - max_length), length)
+
+
+def report_entries(blocks: Dict[str, object], log: Callable[[str], None]) -> Dict[str, Dict[str, int]]:
+    """report.json's "data": the counts of each source in `blocks` ({source: its blocks}) read as
+    examples (blocks with a `truncation`, as `blocks.TensorBlocks` of `ExampleBlocks` have), each logged."""
+    counted = {source: b.truncation for source, b in blocks.items() if getattr(b, "truncation", None)}
+    for source, counts in counted.items():
+        log(f"{source}: {counts}")
+    return {source: asdict(counts) for source, counts in counted.items()}
