@@ -109,19 +109,25 @@ def test_a_conversational_task_in_every_format_gives_the_same_blocks(tokenizer, 
         "alpaca": [{"instruction": c[0]["content"], "input": "", "output": c[1]["content"]} for c in conversations],
         "sharegpt": [{"conversations": [{"from": "human", "value": c[0]["content"]},
                                         {"from": "gpt", "value": c[1]["content"]}]} for c in conversations],
+        "prompt_completion": [{"prompt": c[:1], "completion": c[1:]} for c in conversations],  # TRL's, as turns
     }
     tasks = {}
     for name, records in forms.items():
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in records))
         (tasks[name],) = load_tasks(str(tmp_path / f"{name}.jsonl"), tokenizer, 48, 0)
     rows = {name: next(iter(task.train.batches(len(task.train)))) for name, task in tasks.items()}
-    for name in ("alpaca", "sharegpt"):
+    for name in ("alpaca", "sharegpt", "prompt_completion"):
         assert all((rows[name][k] == rows["messages"][k]).all() for k in ("input_ids", "labels"))
-    assert tasks["messages"].kind == "instruction"
+    assert tasks["messages"].kind == "instruction" and tasks["prompt_completion"].replies
+    history = {"prompt": conversations[0], "completion": conversations[1][1:]}  # an answered turn in the prompt
+    (tmp_path / "history.jsonl").write_text(json.dumps(history))
+    with pytest.raises(InputError, match="history.jsonl:1: an assistant turn in the prompt"):
+        load_tasks(str(tmp_path / "history.jsonl"), tokenizer, 48, 0)
 
 
 def test_the_data_formats_page_shows_one_example_file_per_format_and_each_reads(tokenizer):
-    """docs/data.md links one example file per format of `RECORD_FORMATS`, and each one reads
+    """docs/data.md links one example file per format of `RECORD_FORMATS` (and TRL's conversational
+    prompt/completion), and each one reads
     (`corpus_or_examples`): the text file as text blocks, the others one labelled block per record."""
     from pathlib import Path
 
@@ -129,7 +135,8 @@ def test_the_data_formats_page_shows_one_example_file_per_format_and_each_reads(
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     page = (docs / "data.md").read_text()
-    files = {name: docs / "examples" / "data" / f"{name.replace('/', '_')}.jsonl" for name in RECORD_FORMATS}
+    files = {name: docs / "examples" / "data" / f"{name.replace('/', '_').replace(' ', '_')}.jsonl"
+             for name in (*RECORD_FORMATS, "conversational prompt/completion")}
     for name, path in files.items():
         assert f"(examples/data/{path.name})" in page, name
         blocks = corpus_or_examples(str(path), tokenizer, 64)

@@ -871,21 +871,24 @@ def test_mix_general_trains_on_general_blocks_never_held_out_or_probed(workspace
 
 @pytest.mark.parametrize("method", ["adept", "lora"])
 def test_a_conversational_domain_trains_the_same_in_every_format(workspace, tmp_path, method):
-    """`--domain` as a JSONL of conversations: messages, alpaca and sharegpt records of the same
-    conversations give the same run (the blocks are the same: one per conversation, labelled on
-    the assistant turn), the held-out domain loss (assistant tokens only) falls; `--streaming` refuses them."""
+    """`--domain` as a JSONL of conversations: messages, alpaca, sharegpt and TRL's conversational
+    prompt/completion records of the same conversations give the same run (the blocks are the same:
+    one per conversation, labelled on the assistant turn), the held-out domain loss (assistant tokens
+    only) falls; `--streaming` refuses them."""
     pairs = [(f"Name a colour, number {i}.", ["red", "green", "blue", "black"][i % 4]) for i in range(40)]
     forms = {"messages": [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
                           for q, a in pairs],
              "alpaca": [{"instruction": q, "input": "", "output": a} for q, a in pairs],
              "sharegpt": [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
-                          for q, a in pairs]}
+                          for q, a in pairs],
+             "prompt_completion": [{"prompt": [{"role": "user", "content": q}],  # TRL's conversational form
+                                    "completion": [{"role": "assistant", "content": a}]} for q, a in pairs]}
     reports = {}
     for name, records in forms.items():
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in records))
         reports[name] = run(options(workspace, f"chat-{method}-{name}", method=method, max_length=64, eval_every=0,
                                     domain=str(tmp_path / f"{name}.jsonl")), progress=False, log=lambda *a: None)
-    for name in ("alpaca", "sharegpt"):
+    for name in ("alpaca", "sharegpt", "prompt_completion"):
         assert reports[name]["history"]["train"] == reports["messages"]["history"]["train"]
         assert reports[name]["final"] == reports["messages"]["final"]
     assert reports["messages"]["final"]["domain_loss"] < reports["messages"]["base"]["domain_loss"]

@@ -28,9 +28,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 
 def messages_of(record: Dict, kind: str, where: str) -> List[Dict[str, str]]:
-    """The messages of a `messages`, `alpaca` or `sharegpt` record; InputError naming `where` for
-    a malformed one (a role outside system/user/assistant, content that is not a string, no
-    assistant turn)."""
+    """The messages of a `messages`, `alpaca`, `sharegpt` or conversational prompt/completion
+    record; InputError naming `where` for a malformed one (a role outside system/user/assistant,
+    content that is not a string, no assistant turn, an assistant turn in a prompt)."""
     if kind == "alpaca":
         user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
         messages = ([{"role": "system", "content": record["system"]}] if record.get("system") else []) + [
@@ -39,6 +39,15 @@ def messages_of(record: Dict, kind: str, where: str) -> List[Dict[str, str]]:
         turns = record["conversations"]
         messages = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
                     if isinstance(t, dict) else t for t in turns] if isinstance(turns, list) else turns
+    elif kind == "conversational prompt/completion":  # TRL's: the completion's assistant turns are trained
+        prompt, completion = record["prompt"], record["completion"]
+        if not (isinstance(completion, list) and all(isinstance(m, dict) for m in prompt + completion)):
+            raise InputError(f"{where}: a conversational prompt/completion record has lists of turns as its "
+                             f"'prompt' and 'completion'")
+        if any(m.get("role") == "assistant" for m in prompt):
+            raise InputError(f"{where}: an assistant turn in the prompt would be trained on (only the "
+                             f"completion is, in TRL's prompt/completion); give the conversation as 'messages'")
+        messages = prompt + completion
     else:
         messages = record["messages"]
     if not (isinstance(messages, list) and messages and all(

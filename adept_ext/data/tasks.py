@@ -43,7 +43,9 @@ RECORD_FORMATS = {"text": {"text"}, "prompt/completion": {"prompt", "completion"
                   "prompt/answer": {"prompt", "answer"}, "messages": {"messages"}, "alpaca": {"instruction", "output"},
                   "sharegpt": {"conversations"}}
 INSTRUCTION_FORMATS = {"prompt/completion": "completion", "prompt/answer": "answer"}
-CONVERSATIONAL_FORMATS = ("messages", "alpaca", "sharegpt")  # rendered with the chat template (`chat`)
+# Rendered with the chat template (`chat`); "conversational prompt/completion" is TRL's prompt/completion with
+# lists of messages as its prompt and completion.
+CONVERSATIONAL_FORMATS = ("messages", "alpaca", "sharegpt", "conversational prompt/completion")
 TOPIC_WORDS = 60  # words of an article in a bbc-topic prompt
 PROMPT_WORDS = 40  # words of a message, review or speech in the classification tasks' prompts
 
@@ -133,6 +135,8 @@ def record_format(record, where: str) -> str:
         formats = "; ".join(f"{name} ({', '.join(sorted(keys))})" for name, keys in RECORD_FORMATS.items())
         raise InputError(f"{where}: the record {found} (its fields: {fields}); a record has the fields of exactly "
                          f"one of: {formats}")
+    if matched[0] == "prompt/completion" and isinstance(record["prompt"], list):
+        return "conversational prompt/completion"
     return matched[0]
 
 
