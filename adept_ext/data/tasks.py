@@ -189,7 +189,8 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, max_lengt
     whose answer and EOS take `max_length` tokens or more is skipped (`truncation`), and
     InputError naming `source` when every one is."""
     check_mode(truncation_mode)
-    eos, bos = tokenizer.eos_token_id, [] if document_bos(tokenizer) is None else [document_bos(tokenizer)]
+    eos, bos = tokenizer.eos_token_id, [document_bos(tokenizer)]
+    bos = [] if bos == [None] else bos
     rows, answer_starts, counts, longest = [], [], Truncation(len(examples)), 0
     for prompt, answer in examples:
         a = tokenizer(answer, add_special_tokens=False)["input_ids"]
