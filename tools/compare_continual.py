@@ -9,25 +9,35 @@ learned minus the base model's); the table gives each method's smallest ratio to
     python tools/compare_continual.py [--tasks classification] [--steps 40] [--lr 1e-3] [--eval-blocks 64]
                                       [--seeds 0,1] [--methods seq_full,seq_lora,...]
                                       [--variant eoupct:eoupct_proxy=embeds,eoupct_virtual=false ...]
-                                      [--set k=2 ...] [--collect]
+                                      [--set k=2 ...] [--benchmarks adept_arc_easy [--limit N]] [--collect]
 
 A variant is a method with some of its options changed (an ablation); it is a row of its own.
-Finished runs are reused, so seeds and variants can be added run by run: a run directory in --out
-with its report.json, else that row and seed's record in the --results JSON written before at the
-same budget (tasks, steps, lr, held-out examples, --set options).
+`--benchmarks` scores the base and the final model of every run with lm-eval (each run's
+`--benchmarks-every` is 0 unless --set says otherwise): a column per benchmark metric, its final value
+and its change from the base model.
+
+Finished runs are reused, so seeds and variants can be added run by run, and the tables keep the rows
+of the --results JSON that this call does not name. A run is reused when its resolved configuration
+(`training.result_options`: every option that changes what it computes, defaults included, the
+method's own options alone) and its task list equal this call's: a run directory in --out with its
+report.json, else a record in the --results JSON. A record run without --benchmarks (or with other
+benchmark options) is reused when no benchmark is asked for, and run again when one is.
 """
 import argparse
 import json
 import re
 import statistics
+from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List
 
 from adept_ext.continual import ContinualConfig, config_from, run
 from adept_ext.data.tasks import SEQUENCES
 from adept_ext.methods import method_names
+from adept_ext.training import BenchmarkOptions, result_options
 
 METRICS = ("AA", "BWT", "FWT", "general_forgetting", "plasticity")
+BENCHMARK_OPTIONS = {f.name for f in fields(BenchmarkOptions)} | {"benchmarks_every"}
 
 
 def plasticity(matrix: List[List[float]]) -> List[float]:
@@ -58,7 +68,7 @@ def run_dir(args, row, seed, extra) -> Path:
 
 
 def budget_of(args, extra) -> Dict:
-    """What makes two runs of a row and seed the same run (the results JSON's budget, less its seeds)."""
+    """What the table's header states of every row (the results JSON's budget, less its seeds)."""
     return {"steps_per_task": args.steps, "lr": args.lr, "eval_blocks": args.eval_blocks, **extra}
 
 
@@ -67,50 +77,68 @@ def task_names(spec: str) -> List[str]:
     return list(SEQUENCES[spec]) if spec in SEQUENCES else [Path(s.strip()).stem for s in spec.split(",") if s.strip()]
 
 
-def recorded_runs(args, extra) -> Dict:
-    """{(label, seed): per-seed record} from the --results JSON when it was written at this budget
-    and task sequence, else {}."""
+def run_options(args, row, seed, extra) -> Dict:
+    """The options of `adept-ext continual` for `row` on `seed` (`config_from`'s input)."""
+    defaults = ContinualConfig()
+    options = dict(method=row["method"], tasks=args.tasks, steps=args.steps, lr=args.lr, seed=seed,
+                   eval_blocks=args.eval_blocks, warmup_steps=max(1, args.steps // 10), save_every=0,
+                   out=str(run_dir(args, row, seed, extra)), overwrite=True)
+    if args.benchmarks:
+        options.update(benchmarks=args.benchmarks, limit=args.limit, benchmarks_every=0)
+    for key, value in {**extra, **row["options"]}.items():
+        kind = type(getattr(defaults, key))
+        options[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
+    return options
+
+
+def reusable(record: Dict, wanted: Dict, tasks: List[str]) -> bool:
+    """Whether a run's per-seed record answers for the run of resolved options `wanted` on `tasks`:
+    the same options (the benchmark options too where a benchmark is asked for) and task list."""
+    config = record.get("config")
+    if config is None or [t["name"] for t in record["tasks"]] != tasks:
+        return False
+    keys = [k for k in wanted if k not in BENCHMARK_OPTIONS or wanted["benchmarks"]]
+    return all(k in config and config[k] == wanted[k] for k in keys)
+
+
+def recorded_runs(args) -> List[Dict]:
+    """Every per-seed record of the --results JSON (with its row's trainable parameters and tasks)."""
     path = Path(args.results).with_suffix(".json")
     if not path.exists():
-        return {}
-    stored = json.loads(path.read_text())
-    budget = {k: v for k, v in stored["budget"].items() if k not in ("seeds", "tasks", "batch", "model", "general")}
-    if budget != budget_of(args, extra) or stored["budget"]["tasks"] != task_names(args.tasks):
-        return {}
-    return {(row["label"], record["seed"]): {"trainable_parameters": row["trainable_parameters"],
-                                             "tasks": row["tasks"], **record}
-            for row in stored["methods"] for record in row["seeds"]}
+        return []
+    return [{"trainable_parameters": row["trainable_parameters"], "tasks": row["tasks"], **record}
+            for row in json.loads(path.read_text())["methods"] for record in row["seeds"]]
 
 
-def seed_record(seed: int, report: Dict) -> Dict:
-    """What the tables need of one run's report.json."""
-    return {"seed": seed, **{m: report["metrics"][m] for m in ("AA", "BWT", "FWT")},
+def seed_record(seed: int, report: Dict, config: Dict) -> Dict:
+    """What the tables need of one run's report.json (`config`: its resolved options)."""
+    return {"seed": seed, "config": config, **{m: report["metrics"][m] for m in ("AA", "BWT", "FWT")},
             "general_forgetting": report["general_forgetting"],
             "plasticity_per_task": (p := plasticity(report["matrix"])), "plasticity": statistics.mean(p),
             "matrix": report["matrix"],
             "subspace_overlap": [t.get("lora_subspace_overlap") for t in report["per_task"]],
             "general_loss": report["general_loss"], "wall_seconds": report["wall_seconds"],
+            "benchmarks": {f"{task} {metric}": entry for task, metrics in report.get("benchmark_difference", {}).items()
+                           for metric, entry in metrics.items()},
             "trainable_parameters": report["trainable_parameters"], "tasks": report["tasks"]}
 
 
-def one_run(args, row, seed, extra, recorded: Dict) -> Dict:
+def one_run(args, row, seed, extra, recorded: List[Dict]) -> Dict:
     """The per-seed record of `row` on `seed`: from its finished run directory, else from the results
-    JSON (`recorded`), else run now (None with --collect)."""
-    out = run_dir(args, row, seed, extra)
-    if (out / "report.json").exists():
-        return seed_record(seed, json.loads((out / "report.json").read_text()))
-    if (row["label"], seed) in recorded:
-        return recorded[row["label"], seed]
-    if args.collect:
-        return None
-    defaults = ContinualConfig()
-    options = dict(method=row["method"], tasks=args.tasks, steps=args.steps, lr=args.lr, seed=seed,
-                   eval_blocks=args.eval_blocks, warmup_steps=max(1, args.steps // 10), save_every=0, out=str(out),
-                   overwrite=True)
-    for key, value in {**extra, **row["options"]}.items():
-        kind = type(getattr(defaults, key))
-        options[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
-    return seed_record(seed, run(config_from(options), progress=False))
+    JSON (`recorded`), when reusable there; else run now (None with --collect)."""
+    options = run_options(args, row, seed, extra)
+    cfg = config_from(options)
+    wanted, tasks = result_options(cfg), task_names(args.tasks)
+    report_path = Path(options["out"]) / "report.json"
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        record = seed_record(seed, report, {k: report["config"][k] for k in wanted if k in report["config"]})
+        if reusable(record, wanted, tasks):
+            return record
+    found = next((r for r in recorded if reusable(r, wanted, tasks)), None)
+    if found is not None or args.collect:
+        return found
+    return seed_record(seed, run(cfg, progress=False), wanted)
 
 
 def summarize(row, per_seed: List[Dict]) -> Dict:
@@ -127,6 +155,12 @@ def summarize(row, per_seed: List[Dict]) -> Dict:
 
     matrix = [[mean([s["matrix"][t][i] for s in per_seed]) for i in range(len(first["tasks"]))]
               for t in range(len(first["matrix"]))]
+    scored = [s.get("benchmarks", {}) for s in per_seed]
+    benchmarks = {key: {"final": mean([b[key]["final"] for b in scored]),
+                        "delta": mean([b[key]["delta"] for b in scored]),
+                        "delta_spread": spread([b[key]["delta"] for b in scored]),
+                        "stderr": mean([b[key]["stderr"] for b in scored])}
+                  for key in scored[0] if all(key in b for b in scored)}
     return {"label": row["label"], "method": row["method"], "options": row["options"],
             **{m: mean([s[m] for s in per_seed]) for m in METRICS},
             "spread": {m: spread([s[m] for s in per_seed]) for m in METRICS},
@@ -135,7 +169,7 @@ def summarize(row, per_seed: List[Dict]) -> Dict:
                                  for i in range(len(first["tasks"]))],
             "final_scores": matrix[-1], "final_general_loss": mean([s["general_loss"][-1] for s in per_seed]),
             "trainable_parameters": first["trainable_parameters"],
-            "wall_seconds": mean([s["wall_seconds"] for s in per_seed]),
+            "wall_seconds": mean([s["wall_seconds"] for s in per_seed]), "benchmarks": benchmarks,
             "seeds": [{k: v for k, v in s.items() if k not in ("trainable_parameters", "tasks")} for s in per_seed],
             "tasks": first["tasks"]}
 
@@ -155,20 +189,36 @@ def main():
     parser.add_argument("--out", default="runs/continual-compare", help="run directories (one per method and seed)")
     parser.add_argument("--results", default="docs/results/continual-classification",
                         help="path prefix of the .md and .json results")
+    parser.add_argument("--benchmarks", default="",
+                        help="lm-eval tasks scored on the base and the final model of every run (adept-ext's names)")
+    parser.add_argument("--limit", type=int, default=-1, help="at most N items per benchmark (lm-eval's --limit)")
     parser.add_argument("--collect", action="store_true", help="run nothing: tabulate the finished runs in --out")
     args = parser.parse_args()
     extra = parse_options(",".join(args.set))
     seeds = [int(s) for s in args.seeds.split(",")]
-    recorded = recorded_runs(args, extra)
-    results = []
+    recorded = recorded_runs(args)
+    results = earlier_rows(args, extra)
     for row in rows_to_run(args):
         records = [record for seed in seeds if (record := one_run(args, row, seed, extra, recorded)) is not None]
         if not records:
             continue
-        results.append(summarize(row, records))
-        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("seeds", "tasks")}))
-        write_results(args, extra, seeds, results)
+        results[row["label"]] = summarize(row, records)
+        print(json.dumps({k: v for k, v in results[row["label"]].items() if k not in ("seeds", "tasks")}))
+        write_results(args, extra, list(results.values()))
     print(f"wrote {Path(args.results).with_suffix('.md')} and {Path(args.results).with_suffix('.json')}")
+
+
+def earlier_rows(args, extra) -> Dict[str, Dict]:
+    """{label: row} of the --results JSON when its header's budget and tasks are this call's, else {}:
+    the rows this call does not name stay in the tables."""
+    path = Path(args.results).with_suffix(".json")
+    if not path.exists():
+        return {}
+    stored = json.loads(path.read_text())
+    budget = {k: v for k, v in stored["budget"].items() if k not in ("seeds", "tasks", "batch", "model", "general")}
+    if budget != budget_of(args, extra) or stored["budget"]["tasks"] != task_names(args.tasks):
+        return {}
+    return {row["label"]: row for row in stored["methods"]}
 
 
 def _signed(value) -> str:
@@ -191,10 +241,33 @@ def plasticity_ratio(row, reference) -> str:
     return f"{min(ratios):.2f}" if ratios else "n/a"
 
 
-def write_results(args, extra, seeds, rows):
+def benchmark_table(rows) -> List[str]:
+    """Markdown lines: per row, each benchmark metric's final value and its change from the base model
+    (mean over the seeds, ± half their range, and the mean of lm-eval's combined stderr of the change);
+    – where the row's runs were not scored on it. Nothing when no row was."""
+    keys = list(dict.fromkeys(k for r in rows for k in r.get("benchmarks", {})))
+    if not keys:
+        return []
+    lines = ["", "Benchmarks (lm-eval, base and final model of every run): the final value, and in brackets its "
+             "change from the base model ± half the seeds' range, then the stderr of that change (lm-eval's, "
+             "the two scores taken as independent):", "",
+             "| method | seeds | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for r in rows:
+        cells = []
+        for key in keys:
+            b = r.get("benchmarks", {}).get(key)
+            spread = "" if b is None or b["delta_spread"] is None else f" ± {b['delta_spread']:.3f}"
+            stderr = "" if b is None or b["stderr"] is None else f", se {b['stderr']:.3f}"
+            cells.append("–" if b is None else f"{b['final']:.4f} ({b['delta']:+.4f}{spread}{stderr})")
+        lines.append(f"| {r['label']} | {', '.join(str(s['seed']) for s in r['seeds'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_results(args, extra, rows):
     from adept_ext.report import plot_matrix
 
     tasks = rows[0]["tasks"]
+    seeds = sorted({s["seed"] for r in rows for s in r["seeds"]})
     budget = {"tasks": [t["name"] for t in tasks], "steps_per_task": args.steps, "lr": args.lr, "seeds": seeds,
               "eval_blocks": args.eval_blocks, "batch": "4 x 128 tokens", **extra, "model": "smollm2-135m",
               "general": "bbc-news (held out)"}
@@ -245,6 +318,7 @@ def write_results(args, extra, seeds, rows):
                   "| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         lines += [f"| {r['label']} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in r["subspace_overlap"])
                   + " |" for r in overlaps]
+    lines += benchmark_table(rows)
     base = [(s["seed"], s["matrix"][0], s["general_loss"][0]) for s in rows[0]["seeds"]]
     lines += [""] + [f"Base model, seed {seed}: " + ", ".join(f"{n} {v:.4f}" for n, v in zip(names, scores))
                      + f", general loss {general:.4f}." for seed, scores, general in base]

@@ -1,20 +1,29 @@
 #!/usr/bin/env python
 """Run every adaptation method on the embedded default with one token budget and seed, and
 write docs/results/compare.md and compare.json: general Δloss (forgetting), domain Δloss (gain),
-trainable fraction and wall time per method. About 35-45 minutes on 2 CPU cores.
+trainable fraction and wall time per method, and with `--benchmarks` each lm-eval metric's final
+value and its change from the base model. About 35-45 minutes on 2 CPU cores.
 
     python tools/compare_methods.py [--steps 100] [--lr 3e-4] [--seed 0] [--methods adept,full,...]
                                     [--set probe_blocks=32 --set layers=7,14,21,29 ...]
+                                    [--benchmarks adept_arc_easy [--limit N]] [--collect]
+
+Every row records its run's resolved configuration ("config": `training.result_options`, every
+option that changes what the run computes, defaults included, the method's own options alone);
+tools/frontier.py reuses a row only where it equals the configuration it would run. `--collect`
+tabulates a finished run in --out only where its report.json's configuration is the one this call
+would run (a run made before a default changed is left out, and named).
 """
 import argparse
 import json
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Optional
 
 from adept_ext.train import METHODS, RunConfig, config_from, run
+from adept_ext.training import result_options
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=3e-4)
@@ -23,41 +32,85 @@ def main():
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                         help="any other run option (adept-ext run's names with underscores), for every method")
+    parser.add_argument("--benchmarks", default="",
+                        help="lm-eval tasks scored on the base and the final model of every run, comma-separated "
+                             "(adept-ext run's --benchmarks, e.g. adept_arc_easy)")
+    parser.add_argument("--limit", type=int, default=-1,
+                        help="with --benchmarks: at most N items per benchmark (lm-eval's --limit)")
     parser.add_argument("--out", default="runs/compare", help="run directories (one per method)")
     parser.add_argument("--results", default="docs/results/compare", help="path prefix of the .md and .json results")
     parser.add_argument("--collect", action="store_true",
                         help="run nothing: tabulate the finished runs found in --out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.extra = dict(item.split("=", 1) for item in args.set)
+    if args.benchmarks:  # run options like any other: in the run directory's name and the budget
+        args.extra.update(benchmarks=args.benchmarks, **({"limit": str(args.limit)} if args.limit != -1 else {}))
     suffix = "".join(f"-{key}{value}" for key, value in args.extra.items())
     rows = []
     for method in args.methods.split(","):
         out = Path(f"{args.out}/{method}-lr{args.lr}-s{args.seed}-k{args.k}-n{args.steps}{suffix}")
         if args.collect and not (out / "report.json").exists():
             continue
-        rows.append(run_one(method, args.steps, args.lr, args.seed, args.k, args.extra, out, collect=args.collect))
-        print(json.dumps(rows[-1]))
+        row = run_one(method, args.steps, args.lr, args.seed, args.k, args.extra, out, collect=args.collect)
+        if row is None:
+            print(f"{out}: not tabulated, its run had other options (a default changed since?)")
+            continue
+        rows.append(row)
+        print(json.dumps({key: v for key, v in row.items() if key != "config"}))
         write_results(args, rows)
     print(f"wrote {Path(args.results).with_suffix('.md')} and {Path(args.results).with_suffix('.json')}")
 
 
+def run_options(method: str, steps: int, lr: float, seed: int, k: int, extra: Dict[str, str], out) -> Dict:
+    """The options of the `adept-ext run` of `method` into `out` (`config_from`'s input): the
+    comparison's budget, and `extra` (option name -> text, as `--set` gives it) converted to each
+    option's type."""
+    options = dict(method=method, steps=steps, lr=lr, seed=seed, k=k, warmup_steps=max(1, steps // 10),
+                   eval_every=0, save_every=0, out=str(out), overwrite=True)
+    defaults = RunConfig()
+    for key, value in extra.items():
+        kind = type(getattr(defaults, key))
+        options[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
+    return options
+
+
 def run_one(method: str, steps: int, lr: float, seed: int, k: int, extra: Dict[str, str], out: Path,
-            collect: bool = False) -> Dict:
-    """One `adept-ext run` of `method` into `out` (or its finished report.json when `collect`),
-    as a result row: general Δloss (forgetting), domain Δloss (gain), trainable fraction, layers."""
+            collect: bool = False) -> Optional[Dict]:
+    """One `adept-ext run` of `method` into `out` as a result row: general Δloss (forgetting), domain
+    Δloss (gain), trainable fraction, layers, the benchmark difference ({task: {metric: {base, final,
+    delta, stderr, beyond_2se}}}, {} without --benchmarks) and "config", the run's resolved
+    configuration (`result_options`). With `collect`, the row of the finished report.json in `out`
+    instead: its recorded configuration restricted to the keys of the one this call would run (a key
+    the report lacks stays missing), and None where that differs from the one this call would run."""
+    cfg = config_from(run_options(method, steps, lr, seed, k, extra, out))
+    wanted = result_options(cfg)
     if collect:
         report = json.loads((out / "report.json").read_text())
+        config = {key: report["config"][key] for key in wanted if key in report["config"]}
+        if config != wanted:
+            return None
     else:
-        options = dict(method=method, steps=steps, lr=lr, seed=seed, k=k, warmup_steps=max(1, steps // 10),
-                       eval_every=0, save_every=0, out=str(out), overwrite=True)
-        defaults = RunConfig()
-        options.update({key: type(getattr(defaults, key))(value) for key, value in extra.items()})
-        report = run(config_from(options), progress=False)
+        report, config = run(cfg, progress=False), wanted
     return {"method": method, "general_delta": report["forgetting_general_delta"],
             "domain_delta": -report["gain_domain_delta"], "trainable_fraction": report["trainable_fraction"],
             "wall_seconds": report["wall_seconds"], "layers": report["layers"],
             "base": report["base"], "final": report["final"],
-            "mean_lr_multiplier": report.get("unit_rates", {}).get("mean_multiplier")}
+            "mean_lr_multiplier": report.get("unit_rates", {}).get("mean_multiplier"),
+            "benchmarks": report.get("benchmarks", {}).get("difference", {}), "config": config}
+
+
+def benchmark_columns(rows: List[Dict]) -> List[str]:
+    """The benchmark metrics of the rows as (task, metric) pairs, in first-seen order."""
+    return list(dict.fromkeys((task, metric) for r in rows for task, metrics in r.get("benchmarks", {}).items()
+                              for metric in metrics))
+
+
+def benchmark_cell(row: Dict, task: str, metric: str) -> str:
+    """"final (Δ vs base, se S)" of one benchmark metric of a row; – where its run did not score it."""
+    c = row.get("benchmarks", {}).get(task, {}).get(metric)
+    if c is None:
+        return "–"
+    return f"{c['final']:.4f} ({c['delta']:+.4f}" + ("" if c["stderr"] is None else f", se {c['stderr']:.4f}") + ")"
 
 
 def write_results(args, rows):
@@ -67,17 +120,22 @@ def write_results(args, rows):
     path = Path(args.results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"budget": budget, "methods": rows}, indent=2))
+    columns = benchmark_columns(rows)
     lines = ["# Method comparison on the embedded default", "",
              f"SmolLM2-135M, general = BBC News (held out), domain = Python docs (held out); {args.steps} steps of "
              f"4 x 128 tokens ({budget['tokens']} tokens), AdamW lr {args.lr} (warmup + cosine), seed {args.seed}, "
              f"k = {args.k}"
              + "".join(f", {key} = {value}" for key, value in args.extra.items()) + ".",
              "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is "
-             "better).", "",
-             "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | layers |",
-             "|---|---|---|---|---|---|"]
+             "better)."
+             + (" Benchmarks (lm-eval): the final model's value (its change from the base model, and the stderr of "
+                "that change, the two scores taken as independent)." if columns else ""), "",
+             "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | layers |"
+             + "".join(f" {task} {metric} |" for task, metric in columns),
+             "|---|---|---|---|---|---|" + "---|" * len(columns)]
     lines += [f"| {r['method']} | {r['general_delta']:+.4f} | {r['domain_delta']:+.4f} | "
-              f"{r['trainable_fraction']:.1%} | {r['wall_seconds']} | {r['layers']} |" for r in rows]
+              f"{r['trainable_fraction']:.1%} | {r['wall_seconds']} | {r['layers']} |"
+              + "".join(f" {benchmark_cell(r, task, metric)} |" for task, metric in columns) for r in rows]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

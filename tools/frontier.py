@@ -6,28 +6,36 @@ docs/results/frontier.md/.json and frontier.png (general Δloss = forgetting on 
 
     python tools/frontier.py [--lrs 3e-4,1e-3] [--seeds 0,1] [--steps 100]
                              [--methods adept,adept:placement=spread,llama_pro,...]
-                             [--shard 0/2] [--collect]
+                             [--set OPTION=VALUE ...] [--shard 0/2] [--collect]
 
-Points already in docs/results/compare*.json with identical settings are reused, not rerun
-(the runner is deterministic on the CPU); finished points in --out, and the points of an earlier
-frontier JSON at --results with the same budget, are reused too, so an interrupted frontier
-resumes and `--collect` redraws the table and figure from the JSON alone.
-`--shard I/N` runs every N-th point (parallel lanes);
-`--collect` runs nothing and tabulates what exists. About 4 minutes per point on 2 CPU cores.
+A point is reused, not rerun (the runner is deterministic on the CPU), when a recorded run has its
+resolved configuration: `training.result_options` of the config the point would run (every option
+that changes results, defaults included, the method's own options alone; not where it writes or
+how often it checkpoints or logs), which its row records as "config". The recorded runs are a
+finished run directory in --out, a row of docs/results/compare*.json (tools/compare_methods.py) and
+a point of an earlier frontier JSON at --results, so an interrupted frontier resumes and `--collect`
+redraws the table and figure from the JSON alone. A run recorded under other options, a changed
+default among them, is not reused; rows and points recorded before configurations were (without
+"config") never are, and their number is printed.
+`--shard I/N` runs every N-th point that no comparison JSON holds (parallel lanes);
+`--collect` runs nothing and tabulates what exists (writing nothing when no point is
+reusable, so stale results stay). About 4 minutes per point on 2 CPU cores.
 """
 import argparse
 import glob
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from compare_methods import run_one
+from adept_ext.train import config_from
+from adept_ext.training import result_options
+from compare_methods import run_one, run_options
 
 PLACEMENT_VARIANTS = [f"adept:placement={p}" for p in ("uniform", "domain_aware", "plasticity", "depth", "spread")]
 DEFAULT_METHODS = ["adept"] + PLACEMENT_VARIANTS + ["llama_pro", "lora", "full"]
-# docs/results/compare*.json were run while RunConfig.probe_blocks defaulted to 8 (before the
-# 4-block default of the 4-minute demo), so a budget without the key means 8 blocks.
-OPTIONS_OF_OLD_COMPARISONS = {"probe_blocks": "8"}
+# The published comparisons and frontier (docs/results.md) ran while --probe-blocks defaulted to 8
+# (it is 4 now, for the demo): the frontier passes 8 unless told otherwise, so a rerun is that setting.
+PUBLISHED_OPTIONS = {"probe_blocks": "8"}
 BASELINES = ("llama_pro", "lora")  # what a placement must dominate to become the default
 
 
@@ -39,32 +47,37 @@ def parse_method(text: str) -> Dict:
     return {"label": label, "method": method, "options": options}
 
 
-def reusable(paths: List[str], steps: int, k: int, extra: Dict[str, str]) -> Dict:
-    """{(method, lr, seed): row} of plain-method rows in earlier comparison JSONs whose budget
-    equals this frontier's (steps, k and every other option)."""
-    found = {}
-    standard = {"steps", "batch", "tokens", "lr", "seed", "k", "model", "general", "domain"}
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        budget = data["budget"]
-        options = {**OPTIONS_OF_OLD_COMPARISONS, **{key: str(v) for key, v in budget.items() if key not in standard}}
-        if budget["steps"] != steps or budget["k"] != k or options != extra:
-            continue
-        for row in data["methods"]:
-            found[(row["method"], float(budget["lr"]), int(budget["seed"]))] = {**row, "source": path}
-    return found
+def config_key(config: Dict) -> str:
+    """A resolved configuration (`result_options`, or a row's recorded "config") as a dict key."""
+    return json.dumps(config, sort_keys=True)
 
 
-def earlier_frontier(path: Path, budget: Dict) -> Dict:
-    """{(label, lr, seed): point} of the frontier JSON at `path` when it was run with `budget`
-    (every setting but the lists of learning rates and seeds, which may grow)."""
+def wanted_config(args, variant: Dict, lr: float, seed: int, extra: Dict) -> Dict:
+    """The resolved configuration of the run of `variant` at `lr` and `seed` (`result_options`)."""
+    return result_options(config_from(run_options(variant["method"], args.steps, lr, seed, args.k,
+                                                  {**extra, **variant["options"]}, point_dir(args, variant, lr, seed))))
+
+
+def by_config(rows: List[Dict]) -> Tuple[Dict, int]:
+    """({config_key: row} of the rows that record their configuration, how many do not)."""
+    found = {config_key(row["config"]): row for row in rows if "config" in row}
+    return found, sum("config" not in row for row in rows)
+
+
+def reusable(paths: List[str]) -> Tuple[Dict, int]:
+    """({config_key: row} of the rows of earlier comparison JSONs (each with its "source"), how many
+    rows record no configuration)."""
+    return by_config([{**row, "source": path} for path in paths
+                      for row in json.loads(Path(path).read_text())["methods"]])
+
+
+def earlier_frontier(path: Path) -> Tuple[Dict, int]:
+    """({config_key: point} of the frontier JSON at `path` (its label, lr and seed left out), how many
+    points record no configuration); ({}, 0) when there is none."""
     if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    same = {key: v for key, v in data["budget"].items() if key not in ("lrs", "seeds")}
-    if same != {key: v for key, v in budget.items() if key not in ("lrs", "seeds")}:
-        return {}
-    return {(p["label"], p["lr"], p["seed"]): p for p in data["points"]}
+        return {}, 0
+    return by_config([{key: v for key, v in p.items() if key not in ("label", "lr", "seed")}
+                      for p in json.loads(path.read_text())["points"]])
 
 
 def frontier_budget(args, extra: Dict, lrs, seeds) -> Dict:
@@ -77,7 +90,7 @@ def point_dir(args, variant: Dict, lr: float, seed: int) -> Path:
     return Path(args.out) / f"{slug}-lr{lr}-s{seed}-k{args.k}-n{args.steps}"
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lrs", default="3e-4,1e-3")
@@ -86,38 +99,41 @@ def main():
     parser.add_argument("--methods", default=";".join(DEFAULT_METHODS),
                         help="';'-separated METHOD[:OPTION=VALUE,...] (default: adept with every placement, "
                              "llama_pro, lora, full)")
-    parser.add_argument("--set", action="append", default=[f"{k}={v}" for k, v in OPTIONS_OF_OLD_COMPARISONS.items()],
-                        metavar="OPTION=VALUE", help="a run option for every point (default: probe_blocks=8)")
+    parser.add_argument("--set", action="append", default=[f"{k}={v}" for k, v in PUBLISHED_OPTIONS.items()],
+                        metavar="OPTION=VALUE", help="a run option for every point (default: probe_blocks=8, the "
+                                                     "published setting; a later --set probe_blocks=N overrides it)")
     parser.add_argument("--reuse", default="docs/results/compare*.json", help="glob of earlier comparison JSONs")
     parser.add_argument("--out", default="runs/frontier", help="run directories (one per point)")
     parser.add_argument("--results", default="docs/results/frontier", help="path prefix of .md, .json and .png")
     parser.add_argument("--shard", default="0/1",
                         help="I/N: run only every N-th point to run, from the I-th (parallel lanes)")
     parser.add_argument("--collect", action="store_true", help="run nothing: tabulate the points that exist")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     extra = dict(item.split("=", 1) for item in args.set)
     lrs = [float(x) for x in args.lrs.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     variants = [parse_method(m) for m in args.methods.split(";") if m]
-    old = reusable(sorted(glob.glob(args.reuse)), args.steps, args.k, extra)
-    earlier = earlier_frontier(Path(args.results).with_suffix(".json"), frontier_budget(args, extra, lrs, seeds))
+    old, old_unkeyed = reusable(sorted(glob.glob(args.reuse)))
+    earlier, earlier_unkeyed = earlier_frontier(Path(args.results).with_suffix(".json"))
+    if old_unkeyed or earlier_unkeyed:
+        print(f"not reused: {old_unkeyed} comparison row(s) and {earlier_unkeyed} earlier frontier point(s) recorded "
+              f"without their configuration (before configurations were recorded)")
     shard, shards = map(int, args.shard.split("/"))
     points, to_run = [], 0
     for lr in lrs:
         for seed in seeds:
             for variant in variants:
-                if variant["options"] or (variant["method"], lr, seed) not in old:
-                    to_run += 1  # lanes split the points not in earlier JSONs by this fixed count
+                key = config_key(wanted_config(args, variant, lr, seed, extra))
+                if key not in old:
+                    to_run += 1  # lanes split the points not in earlier comparison JSONs by this fixed count
                     if not args.collect and (to_run - 1) % shards != shard:
                         continue
-                row = find_point(args, variant, lr, seed, extra, old)
-                if row is None and (variant["label"], lr, seed) in earlier:
-                    row = {key: v for key, v in earlier[(variant["label"], lr, seed)].items()
-                           if key not in ("label", "lr", "seed")}
+                row = find_point(args, variant, lr, seed, extra, old.get(key) or earlier.get(key))
                 if row is None and not args.collect:
                     row = run_one(variant["method"], args.steps, lr, seed, args.k, {**extra, **variant["options"]},
                                   point_dir(args, variant, lr, seed))
                     row["source"] = str(point_dir(args, variant, lr, seed))
+                    earlier[key] = row  # another label of this configuration (a default spelt out) reuses it
                     print(json.dumps({"label": variant["label"], "lr": lr, "seed": seed,
                                       "general_delta": row["general_delta"], "domain_delta": row["domain_delta"]}))
                 if row is not None:
@@ -125,18 +141,22 @@ def main():
     if not args.collect and shards > 1:
         print(f"shard {shard}/{shards} done; tabulate all lanes with --collect")
         return
+    if not points:  # nothing reusable (--collect): keep the results there are
+        print("no point to tabulate: nothing written")
+        return
     write_results(args, extra, lrs, seeds, variants, points)
 
 
-def find_point(args, variant: Dict, lr: float, seed: int, extra: Dict, old: Dict) -> Optional[Dict]:
-    """A finished point: in --out, or (a plain method) in an earlier comparison JSON."""
+def find_point(args, variant: Dict, lr: float, seed: int, extra: Dict, recorded: Optional[Dict]) -> Optional[Dict]:
+    """A finished point of this configuration: its run directory in --out when that run had it,
+    else `recorded` (the row of an earlier comparison or frontier JSON with it, or None)."""
     out = point_dir(args, variant, lr, seed)
     if (out / "report.json").exists():
-        return {**run_one(variant["method"], args.steps, lr, seed, args.k, extra, out, collect=True),
-                "source": str(out)}
-    if not variant["options"]:
-        return old.get((variant["method"], lr, seed))
-    return None
+        row = run_one(variant["method"], args.steps, lr, seed, args.k, {**extra, **variant["options"]}, out,
+                      collect=True)
+        if row is not None:
+            return {**row, "source": str(out)}
+    return recorded
 
 
 def dominance(points: List[Dict], lrs, seeds) -> List[Dict]:
@@ -195,8 +215,8 @@ def write_results(args, extra, lrs, seeds, variants, points):
             f"{v[b]['dominates_on_seeds'] or 'none'} of {v[b]['measured_seeds']}" for b in BASELINES) + " |")
     sources = sorted({p["source"] for p in points if p["source"].endswith(".json")})
     if sources:
-        lines += ["", "Plain-method points reused from " + ", ".join(Path(s).name for s in sources)
-                  + " (same settings)."]
+        lines += ["", "Points reused from " + ", ".join(Path(s).name for s in sources)
+                  + " (the same resolved configuration)."]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {path.with_suffix('.md')}, .json and .png ({len(points)} points)")
 

@@ -141,6 +141,21 @@ class BenchmarkOptions:
         "benchmark_samples.jsonl (eval), benchmark_samples_base.jsonl and benchmark_samples_final.jsonl (run)"))
 
 
+# Options that never change what a run computes: where it writes, how often it checkpoints or logs, what
+# it tracks, how many processes prepare its data (the batches are the same for any count).
+NOT_RESULTS = ("out", "overwrite", "resume", "save_every", "logging_steps", "report_to", "data_workers",
+               "dataloader_num_workers", "log_samples")
+
+
+def result_options(cfg) -> Dict:
+    """The resolved options that determine a run's results: every option of `cfg` (a runner's config,
+    `with_method_options`) with its value, less `NOT_RESULTS` and the options only other methods than
+    `cfg.method` take. The comparison tools reuse a recorded run only where these are equal."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)
+            if f.name not in NOT_RESULTS
+            and (f.metadata.get("methods") is None or cfg.method in f.metadata["methods"].defaults)}
+
+
 def check_benchmark_options(cfg: BenchmarkOptions):
     """RunError for bad benchmark options (`harness.check_benchmarks`), before anything loads."""
     harness.check_benchmarks(harness.task_list(cfg.benchmarks), cfg.include_path, cfg.limit, cfg.num_fewshot,

@@ -1,0 +1,91 @@
+"""tools/compare_methods.py's bookkeeping (no training): the options of each run, the resolved
+configuration its row records, which finished runs `--collect` tabulates, the benchmark columns."""
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import compare_methods  # noqa: E402
+from adept_ext.train import config_from  # noqa: E402
+from adept_ext.training import result_options  # noqa: E402
+
+ARC = {"adept_arc_easy": {"acc": {"base": 0.40, "final": 0.38, "delta": -0.02, "stderr": 0.03, "beyond_2se": False},
+                          "acc_norm": {"base": 0.41, "final": 0.43, "delta": 0.02, "stderr": None,
+                                       "beyond_2se": None}}}
+
+
+def wanted(method="lora", out="runs/x", extra=None, **options):
+    """result_options of the run compare_methods would make, with `options` changed."""
+    return result_options(config_from({**compare_methods.run_options(method, 100, 3e-4, 0, 4, extra or {}, out),
+                                       **options}))
+
+
+def write_report(out: Path, config, **extra):
+    """A finished run's report.json in `out` with the keys a row reads, recorded under `config`."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"config": config, "forgetting_general_delta": 0.01, "gain_domain_delta": 0.4, "trainable_fraction": 0.1,
+              "wall_seconds": 60.0, "layers": [3], "base": {}, "final": {}, **extra}
+    (out / "report.json").write_text(json.dumps(report))
+
+
+def test_run_options_convert_set_texts_to_each_options_type():
+    options = compare_methods.run_options("adept", 100, 1e-3, 1, 4, {"probe_blocks": "8", "packing": "false",
+                                                                      "mix_general": "0.1"}, Path("runs/a"))
+    assert options["probe_blocks"] == 8 and options["packing"] is False and options["mix_general"] == 0.1
+    assert options["warmup_steps"] == 10 and options["out"] == "runs/a" and options["lr"] == 1e-3
+    assert compare_methods.run_options("adept", 100, 1e-3, 1, 4, {"packing": "true"}, "x")["packing"] is True
+
+
+def test_collect_takes_a_report_only_under_the_configuration_it_would_run(tmp_path):
+    out = tmp_path / "lora"
+    collect = lambda: compare_methods.run_one("lora", 100, 3e-4, 0, 4, {}, out, collect=True)  # noqa: E731
+    write_report(out, wanted(out=str(out)), benchmarks={"difference": ARC})
+    row = collect()
+    assert row["config"] == wanted() and row["config"]["lora_rank"] == 8 and row["benchmarks"] == ARC
+    assert row["general_delta"] == 0.01 and row["domain_delta"] == -0.4
+    write_report(out, {**wanted(), "lora_rank": 16})  # run while the default rank was 16
+    assert collect() is None
+    write_report(out, {**wanted(), "max_length": 256})  # a runner default changed
+    assert collect() is None
+    older = wanted()
+    del older["truncation_mode"]  # a report older than the option
+    write_report(out, older)
+    assert collect() is None
+    # where it wrote, checkpointed, logged or tracked does not change what a run computes
+    write_report(out, {**wanted(out="elsewhere", save_every=5, logging_steps=3, report_to="tensorboard"),
+                       "out": "elsewhere", "save_every": 5, "report_to": "tensorboard"})
+    assert collect()["config"] == wanted() and collect()["benchmarks"] == {}
+
+
+def test_benchmark_options_are_part_of_the_configuration():
+    arc = wanted(extra={"benchmarks": "adept_arc_easy", "limit": "20"})
+    assert (arc["benchmarks"], arc["limit"]) == ("adept_arc_easy", 20) and arc != wanted()
+
+
+def test_collect_tabulates_only_the_runs_of_this_configuration(tmp_path, capsys):
+    argv = ["--methods", "lora,full", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "compare"),
+            "--collect"]
+    lora = tmp_path / "runs" / "lora-lr0.0003-s0-k4-n100"
+    full = tmp_path / "runs" / "full-lr0.0003-s0-k4-n100"
+    write_report(lora, wanted(out=str(lora)))
+    write_report(full, {**wanted("full"), "lr": 1e-3})
+    compare_methods.main(argv)
+    rows = json.loads((tmp_path / "compare.json").read_text())["methods"]
+    assert [r["method"] for r in rows] == ["lora"] and rows[0]["config"] == wanted()
+    assert f"{full}: not tabulated" in capsys.readouterr().out
+
+
+def test_benchmark_columns_give_final_delta_and_stderr(tmp_path):
+    args = SimpleNamespace(results=str(tmp_path / "compare"), steps=100, lr=3e-4, seed=0, k=4,
+                           extra={"benchmarks": "adept_arc_easy"})
+    row = {"method": "lora", "general_delta": 0.01, "domain_delta": -0.4, "trainable_fraction": 0.1,
+           "wall_seconds": 60.0, "layers": [3]}
+    compare_methods.write_results(args, [{**row, "benchmarks": ARC}, {**row, "method": "full", "benchmarks": {}}])
+    table = (tmp_path / "compare.md").read_text()
+    assert "| adept_arc_easy acc | adept_arc_easy acc_norm |" in table
+    assert "| lora | +0.0100 | -0.4000 | 10.0% | 60.0 | [3] | 0.3800 (-0.0200, se 0.0300) | 0.4300 (+0.0200) |" in table
+    assert "| full | +0.0100 | -0.4000 | 10.0% | 60.0 | [3] | – | – |" in table
+    compare_methods.write_results(args, [row])  # no benchmark: the columns of before
+    assert "acc" not in (tmp_path / "compare.md").read_text()
