@@ -54,9 +54,9 @@ class ContinualOptions(BenchmarkOptions, TrainOptions):
     tasks: str = option("builtin", help=(
         "comma-separated tasks in order, each SOURCE or NAME=SOURCE: text files/folders, JSONL with 'text' (text "
         "task) or with 'prompt'/'completion' or 'prompt'/'answer' (instruction task), python-docs, python-source, "
-        "bbc-topic, sms-spam, rt-sentiment, parl-language; or "
-        "builtin (python-docs, python-source, bbc-topic) or classification (bbc-topic, sms-spam, rt-sentiment, "
-        "parl-language)"))
+        "bbc-topic, sms-spam, rt-sentiment, parl-language, trec-loc, trec-num, trec-enty, trec-desc; or "
+        "builtin (python-docs, python-source, bbc-topic), classification (bbc-topic, sms-spam, rt-sentiment, "
+        "parl-language) or questions (trec-loc, trec-num, trec-enty, trec-desc: related tasks)"))
     general: str = option("bbc-news", help=(
         "general-domain corpus, held out from every task: text file, folder, JSONL with 'text', or bbc-news / "
         "python-docs"))

