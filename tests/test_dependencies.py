@@ -23,7 +23,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from adept_ext import _cuda_arch, harness
+from adept_ext import _cuda_arch, harness, optim
 from adept_ext.errors import RunError
 from adept_ext.training import tracking
 
@@ -77,8 +77,9 @@ CORE = requirements(PROJECT["project"]["dependencies"])
 EXTRAS = {extra: requirements(lines) for extra, lines in PROJECT["project"]["optional-dependencies"].items()}
 # The optional modules adept_ext gives a clear error for when they are missing: the tracking backends
 # (`--report-to`, checked before anything trains by tracking.backends_of) and lm-eval (`--benchmarks`,
-# harness.check_installed). Add a module here only with such a check.
-GUARDED = set(tracking.BACKENDS.values()) | {harness.MODULE}
+# harness.check_installed), bitsandbytes (`--optim adamw_8bit`, optim.check_optimizer). Add a module here only
+# with such a check.
+GUARDED = set(tracking.BACKENDS.values()) | {harness.MODULE, optim.BNB_MODULE}
 
 
 def lock():

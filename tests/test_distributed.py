@@ -246,9 +246,10 @@ FROZEN_BF16 = {"bf16": "on", "frozen_dtype": "bfloat16", "loss_implementation": 
 
 
 @pytest.mark.parametrize("method,extra", [("full", {}), ("adept", {}), ("lora", {}), ("lora", SCALE_OPTIONS),
-                                          ("adept", FROZEN_BF16), ("full", {"dataloader_num_workers": 2})],
+                                          ("adept", FROZEN_BF16), ("full", {"dataloader_num_workers": 2}),
+                                          ("lora", {"frozen_dtype": "nf4"})],
                          ids=["full", "adept", "lora", "lora-checkpointing-mix", "adept-frozen-bf16",
-                              "full-loader-workers"])
+                              "full-loader-workers", "lora-nf4"])
 def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method, extra):
     """2 gloo ranks x grad_accum 1 take the micro-batches one process takes with grad_accum 2: the
     losses agree to float rounding, rank 0 alone writes, and the model loads with plain transformers.

@@ -103,8 +103,11 @@ def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_worksp
 
 @pytest.mark.parametrize("argv,message", [
     (["--frozen-dtype", "bfloat16", "--bf16", "off"], "--frozen-dtype bfloat16 needs bf16 autocast"),
-    (["--frozen-dtype", "float16"], "frozen_dtype must be one of auto, bfloat16, float32"),
+    (["--frozen-dtype", "float16"], "frozen_dtype must be one of auto, bfloat16, float32, nf4"),
     (["--frozen-dtype", "bfloat16", "--parallel", "fsdp2"], "--frozen-dtype bfloat16 with --parallel fsdp2"),
+    (["--frozen-dtype", "nf4", "--method", "full"], "full trains every one"),
+    (["--frozen-dtype", "nf4", "--compile"], "--frozen-dtype nf4 with --compile"),
+    (["--frozen-dtype", "nf4", "--parallel", "fsdp2"], "--frozen-dtype nf4 with --parallel fsdp2"),
 ])
 def test_refused_before_anything_is_written(workspace, tmp_path, capsys, argv, message):  # noqa: F811
     out = tmp_path / "o"

@@ -266,6 +266,7 @@ OPTIONS = {
     "lr": Opt(0.001, 0.0, "lr must be a finite number > 0"),
     "warmup_steps": Opt(2, -1, "warmup_steps must be >= 0"),
     "weight_decay": Opt(0.1, -1.0, "weight_decay must be >= 0"),
+    "optim": Opt("adamw_8bit", "adamw_4bit", "optim must be one of adamw_torch, adamw_8bit"),  # test_optim_8bit.py
     "max_grad_norm": Opt(0.5, -1.0, "max_grad_norm must be >= 0"),
     "logging_steps": Opt(5, 0, "logging_steps must be >= 1"),
     "gradient_checkpointing": Opt(True),
@@ -280,7 +281,7 @@ OPTIONS = {
     "lora_rank": Opt(4, 0, "lora_rank must be >= 1"),
     "seed": Opt(7),  # every int is a seed
     "bf16": Opt("off", "maybe", "bf16 must be auto, on or off"),
-    "frozen_dtype": Opt("float32", "float16", "frozen_dtype must be one of auto, bfloat16, float32"),
+    "frozen_dtype": Opt("float32", "float16", "frozen_dtype must be one of auto, bfloat16, float32, nf4"),
     "device": Opt("cpu", "tpu", "device", TINY, runtime=True),
     "parallel": Opt("fsdp2", "bogus", "parallel must be one of"),  # fsdp2: as if under torchrun (2 processes)
     "resume": Opt(None, True, "holds no adept-ext run"),  # a good --resume needs a stopped run: test_resume_*

@@ -23,8 +23,8 @@ EXTRA = {
 }
 
 
-def tiny_config(arch, layers=4, vocab=97, tie=False):
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+def tiny_config(arch, layers=4, vocab=97, tie=False, hidden=32):
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   initializer_range=0.2, tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     if arch == "llama":

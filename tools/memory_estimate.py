@@ -2,8 +2,10 @@
 """The memory check's estimate (`adept_ext.training.device.memory_estimate`) for a model too large
 for this machine: the model is built on the meta device from its config (no weights), the method's
 trainable parameters are chosen as `adept-ext run` does (ADEPT: k function-preserving copies, the
-originals frozen; LoRA: rank-r PEFT adapters; full: everything), and the frozen weights are held
-in float32 or bfloat16 (`--frozen-dtype`). Prints one JSON line per setting, in GiB, per GPU.
+originals frozen; LoRA: rank-r PEFT adapters; full: everything), the frozen weights are held in
+float32, bfloat16 or NF4 (`--frozen-dtype`; nf4: the frozen linear layers at `quantize.nf4_bytes`,
+the other frozen weights in bfloat16) and the optimizer's moments in float32 or 8 bits (`--optim`).
+Prints one JSON line per setting, in GiB, per GPU.
 
     python tools/memory_estimate.py [--shape llama-3.1-8b] [--batch-size 1] [--max-length 4096] [--k 4]
 """
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from adept_ext.expand import expand_layers
 from adept_ext.methods.lora import add_lora
+from adept_ext.quantize import frozen_linears, nf4_bytes
 from adept_ext.training.device import cast_frozen, memory_estimate
 
 SHAPES = {  # the published configs' shapes (no download)
@@ -53,13 +56,20 @@ def main():
     gib = 2**30
     for method in ("adept", "lora", "full"):
         model, trainable = trainable_model(args.shape, method, args.k, args.lora_rank)
-        for frozen, checkpointing in itertools.product((torch.float32, torch.bfloat16), (False, True)):
-            cast_frozen(model, frozen)
-            cfg = types.SimpleNamespace(batch_size=args.batch_size, max_length=args.max_length,
+        for frozen, checkpointing, optim in itertools.product(("float32", "bfloat16", "nf4"), (False, True),
+                                                              ("adamw_torch", "adamw_8bit")):
+            if method == "full" and frozen == "nf4":
+                continue  # nothing is frozen
+            cast_frozen(model, torch.float32 if frozen == "float32" else torch.bfloat16)
+            cfg = types.SimpleNamespace(batch_size=args.batch_size, max_length=args.max_length, optim=optim,
                                         loss_implementation="auto", gradient_checkpointing=checkpointing)
             estimate = memory_estimate(cfg, model, bf16=True, trainable=trainable, device=torch.device("cuda"))
-            print(json.dumps({"shape": args.shape, "method": method, "frozen_dtype": str(frozen).removeprefix("torch."),
-                              "gradient_checkpointing": checkpointing, "trainable_b": round(trainable / 1e9, 3),
+            if frozen == "nf4":  # on the meta device nothing can be quantized: the held bytes by formula
+                estimate["weights"] += int(sum(nf4_bytes(m.weight.numel()) - m.weight.nbytes
+                                               for _, m in frozen_linears(model)))
+            print(json.dumps({"shape": args.shape, "method": method, "frozen_dtype": frozen,
+                              "gradient_checkpointing": checkpointing, "optim": optim,
+                              "trainable_b": round(trainable / 1e9, 3),
                               "batch": f"{args.batch_size} x {args.max_length}",
                               **{k: round(v / gib, 1) for k, v in estimate.items()},
                               "total_gib": round(sum(estimate.values()) / gib, 1)}))

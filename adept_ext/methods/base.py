@@ -236,6 +236,7 @@ class Method:
     single_domain = True   # usable by `adept-ext run`
     sequence = False       # usable by `adept-ext continual`
     shardable = True       # trains a model sharded by FSDP2 (--parallel fsdp2); the runners unshard it before end_task
+    trains_every_weight = False  # every linear weight trains (full fine-tuning, OSF): nothing to hold in 4 bits
 
     def __init__(self, config: MethodConfig):
         self.config = config

@@ -164,6 +164,7 @@ class EoupCT(Method):
 
     def __init__(self, config):
         super().__init__(config)
+        self.trains_every_weight = config.student == "full"
         # Kept across tasks (state_dict): the adapter at the start of the current task (the teacher),
         # the memory, and each finished task's proxy gradient g_pre(P_i) for the cos² penalty.
         self.adapter: Optional[Dict[str, torch.Tensor]] = None

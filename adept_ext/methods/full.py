@@ -23,6 +23,7 @@ class Full(Method):
     name = "full"
     config_class = FullConfig
     description = "full-parameter training"
+    trains_every_weight = True
 
     def prepare(self, model, ctx, layers=None) -> Setup:
         trainable = train_only(model, model.parameters())

@@ -78,6 +78,7 @@ class Osf(Method):
     single_domain = False
     sequence = True
     shardable = False  # the SVD, the gradient projection and the merge need each projection's whole weight
+    trains_every_weight = True  # each projection's whole weight is a parameter (its update projected)
 
     def __init__(self, config):
         super().__init__(config)

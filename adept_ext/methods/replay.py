@@ -48,6 +48,7 @@ class Replay(Method):
         super().__init__(config)
         self.base = get_method(config.base_config())
         self.shardable = self.base.shardable
+        self.trains_every_weight = self.base.trains_every_weight
         self.seed = None  # the run's seed (ctx.seed, from prepare): the buffer's draws
 
     def prepare(self, model, ctx, layers=None):

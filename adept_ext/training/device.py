@@ -4,7 +4,8 @@ from typing import Dict
 
 import torch
 
-from .. import parallel
+from .. import parallel, quantize
+from ..optim import moment_bytes
 from ..errors import RunError
 from ..lm_loss import uses_fused_loss
 from ..ops import default_chunk_rows
@@ -29,15 +30,16 @@ def use_bf16(cfg, device) -> bool:
 
 def frozen_dtype_for(cfg, bf16: bool) -> torch.dtype:
     """The dtype the weights that do not train are held in during a task (`cfg.frozen_dtype`):
-    bfloat16 (auto: when the steps run under bf16 autocast, and not under FSDP2, whose all-gather
-    wants one dtype per layer) or float32. Trainable weights, their gradients and AdamW's moments
-    stay float32 (docs/design.md, "Precision")."""
+    bfloat16 (auto, and nf4 for what is not a linear layer of the decoder: when the steps run under
+    bf16 autocast, and not under FSDP2, whose all-gather wants one dtype per layer) or float32.
+    Trainable weights and their gradients stay float32, and so do AdamW's moments unless `--optim`
+    holds them in 8 bits (docs/design.md, "Precision")."""
     if cfg.frozen_dtype == "bfloat16":
         if not bf16:
             raise RunError("--frozen-dtype bfloat16 needs bf16 autocast (--bf16 on, or auto on a GPU with bfloat16): "
                            "a float32 activation cannot multiply a bfloat16 weight outside autocast")
         return torch.bfloat16
-    return torch.bfloat16 if cfg.frozen_dtype == "auto" and bf16 and cfg.parallel != "fsdp2" else torch.float32
+    return torch.bfloat16 if cfg.frozen_dtype in ("auto", "nf4") and bf16 and cfg.parallel != "fsdp2" else torch.float32
 
 
 def cast_frozen(model, dtype: torch.dtype) -> int:
@@ -53,15 +55,16 @@ def cast_frozen(model, dtype: torch.dtype) -> int:
 
 def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1,
                     device=None) -> Dict[str, int]:
-    """Bytes a training step needs: the weights as held (frozen ones may be bfloat16: `cast_frozen`),
-    the gradient and two AdamW moments (fp32) of the `trainable` parameters (divided among `shards`
-    ranks under FSDP2), and one micro-batch's activations (halved under bf16 autocast; with
+    """Bytes a training step needs: the weights as held (frozen ones may be bfloat16, `cast_frozen`,
+    or 4-bit with their quantisation constants, `quantize.hold_nf4`), the float32 gradient and the
+    optimizer's two moments (`optim.moment_bytes`: float32, or 8-bit) of the `trainable` parameters
+    (divided among `shards` ranks under FSDP2), and one micro-batch's activations (halved under bf16 autocast; with
     --gradient-checkpointing each layer's input and one layer's activations). The fused
     loss holds one chunk of logits instead of the micro-batch's B×T×V (its size on `device`,
     default the run's)."""
     c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = trainable * 4 * 3 // shards
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + quantize.held_bytes(model)
+    optimizer = int(trainable * (4 + moment_bytes(cfg.optim))) // shards
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
     logits = 0 if fused else 8 * c.vocab_size
     layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)  # one decoder layer's saved activations

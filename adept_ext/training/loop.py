@@ -10,13 +10,13 @@ from typing import Dict, Optional
 import torch
 from tqdm.auto import tqdm
 
-from .. import lm_loss, parallel
+from .. import lm_loss, parallel, quantize
 from ..data import check_labels
 from ..lm_loss import base_model, next_token_loss
 from ..models import adapter
 from ..methods.task import Task, prepare
 from ..ops.torch_internals import uncompile_module
-from ..optim import GroupedAdamW
+from ..optim import make_optimizer
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
 from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb
 from .loader import batch_loader
@@ -76,10 +76,13 @@ def schedule(cfg):
 
 
 def optimizer_for(task: Task, cfg):
-    """AdamW over the task's param groups (`GroupedAdamW`: AdamW's arithmetic, every group in
-    one multi-tensor pass, so ADEPT's per-unit groups cost no extra launches) with warmup +
-    cosine, and the method's step hooks."""
-    optimizer = GroupedAdamW(task.param_groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    """`cfg.optim` over the task's param groups (`optim.make_optimizer`: AdamW as `GroupedAdamW`, every
+    group in one multi-tensor pass, so ADEPT's per-unit groups cost no extra launches; or bitsandbytes'
+    8-bit AdamW, which reads every group's rate at each step too, the embedding weights' moments kept
+    in float32 as Hugging Face's Trainer keeps them) with warmup + cosine, and the method's step hooks."""
+    embeddings = [m.weight for m in task.model.modules() if isinstance(m, torch.nn.Embedding)]
+    optimizer = make_optimizer(cfg.optim, task.param_groups, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                               keep_float32=embeddings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg))
     task.attach(optimizer)
     return optimizer, scheduler
@@ -231,7 +234,10 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     frozen = frozen_dtype_for(cfg, bf16)
     if cast_frozen(model, frozen) and frozen != torch.float32:
         log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
-    check_memory(cfg, model, bf16, n_trainable, parallel.world_size() if cfg.parallel == "fsdp2" else 1)
+    nf4 = cfg.frozen_dtype == "nf4"
+    shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
+    if not nf4:  # nf4: once the layers are held, below
+        check_memory(cfg, model, bf16, n_trainable, shards)
     hooks.prepared(task, n_trainable)
     if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
         activation_checkpointing(model, True)
@@ -243,6 +249,10 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     else:
         trained = parallel.wrap(model, device)
     optimizer, scheduler = optimizer_for(task, cfg)
+    if nf4:  # after the optimizer's hooks: ADEPT scores its source layers there, on their exact weights
+        held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
+        log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
+        check_memory(cfg, model, bf16, n_trainable, shards)
     step = 0
     if checkpoint:
         load_training_state(checkpoint, model, method, optimizer, scheduler, out)
@@ -278,6 +288,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         raise
     if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
         compile_layers(model, False)
+    quantize.release_nf4(model)  # the exact layers again (--frozen-dtype nf4)
     cast_frozen(model, torch.float32)  # evaluation, finish (merges, saving) and the next task in float32 again
     hooks.trained(step)
     if cfg.gradient_checkpointing:

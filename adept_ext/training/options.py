@@ -8,16 +8,17 @@ from typing import Collection, Dict, Optional
 
 import torch
 
-from .. import harness, lm_eval_tasks, parallel
+from .. import harness, lm_eval_tasks, parallel, quantize
 from ..data.truncation import MODES as TRUNCATION_MODES
 from ..errors import RunError
 from ..lm_loss import LOSS_IMPLEMENTATIONS
 from ..methods import create, method_names
 from ..methods.base import REGISTRY, method_options, option
 from ..models import check_attention
+from ..optim import check_optimizer
 from .tracking import backends_of
 
-FROZEN_DTYPES = ("auto", "bfloat16", "float32")
+FROZEN_DTYPES = ("auto", "bfloat16", "float32", "nf4")
 RENAMED = {"block_len": "max_length"}  # an option's former name (flag, TOML key, run.json) -> its name now
 
 
@@ -41,6 +42,15 @@ class TrainOptions:
     lr: float = option(3e-4, help="base learning rate (AdamW)")
     warmup_steps: int = option(4, help="linear warmup steps before the cosine decay")
     weight_decay: float = option(0.01, help="AdamW weight decay")
+    optim: str = option("adamw_torch", help=(
+        "optimizer of the trainable weights (Hugging Face's `optim` names): `adamw_torch` (AdamW, float32 moments: "
+        "8 bytes of state per trainable parameter), `adamw_8bit` or its alias `adamw_bnb_8bit` (bitsandbytes' "
+        "blockwise 8-bit AdamW: the same update with both moments in 8 bits and a float32 scale "
+        "per 256 elements, about 2 bytes; a tensor of fewer than 4096 elements and the embedding weights keep "
+        "float32 moments, as in Hugging Face's Trainer), `paged_adamw_8bit` (the same, its state of tensors of "
+        "100k elements or more in CUDA unified memory that pages out to the host under GPU memory pressure; on "
+        "the CPU it is adamw_8bit); every group's own rate (ADEPT's per-unit rates) is honoured; the 8-bit ones "
+        "need `pip install 'adept-ext[quantization]'` and are not offered with --parallel fsdp2"))
     max_grad_norm: float = option(1.0, help="gradient clipping norm (0 = off)")
     logging_steps: int = option(1, help=(
         "read the training loss from the device every N steps (and at the last) and log the mean over those steps, "
@@ -73,8 +83,12 @@ class TrainOptions:
     bf16: str = option("auto", help="bf16 autocast: auto (GPUs that support it), on (also on the CPU), off")
     frozen_dtype: str = option("auto", help=(
         "dtype the weights that do not train are held in during a task: auto (bfloat16 under bf16 autocast, except "
-        "with fsdp2), bfloat16 (needs bf16 autocast; not with fsdp2) or float32; trainable weights, gradients and "
-        "AdamW state stay float32, and everything is float32 again for evaluation, merging and saving"))
+        "with fsdp2), bfloat16 (needs bf16 autocast; not with fsdp2), float32, or nf4 (QLoRA's 4-bit NormalFloat "
+        "through bitsandbytes, double quantisation, for the frozen linear layers of the decoder: LoRA's base, "
+        "ADEPT's and LLaMA-Pro's originals, freeze_deep's deep block; the other frozen weights as auto; not with "
+        "fsdp2, --compile or a method that trains every weight); trainable weights, gradients and AdamW state stay "
+        "float32, and the exact weights are back for evaluation, merging and saving (nf4: the layers as they were "
+        "before the task, kept on the host meanwhile, so nothing saved carries a rounding error)"))
     device: str = option("auto", help="auto, cpu or cuda")
     parallel: str = option("ddp", help=(
         "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and optimizer state "
@@ -243,11 +257,18 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     if cfg.frozen_dtype == "bfloat16" and cfg.parallel == "fsdp2":
         raise RunError("--frozen-dtype bfloat16 with --parallel fsdp2 is not supported (FSDP2 all-gathers each layer's "
                        "parameters in one dtype); use --frozen-dtype auto or float32 with fsdp2")
+    if cfg.frozen_dtype == "nf4":
+        if cfg.parallel == "fsdp2" or cfg.compile:
+            raise RunError(f"--frozen-dtype nf4 with {'--parallel fsdp2' if cfg.parallel == 'fsdp2' else '--compile'} "
+                           "is not supported (bitsandbytes' 4-bit weights are neither sharded by FSDP2 nor traced "
+                           "by torch.compile here); use --parallel ddp without --compile")
+        quantize.bitsandbytes()  # RunError where it is not installed
     if cfg.parallel not in parallel.ENGINES:
         raise RunError(f"parallel must be one of {', '.join(parallel.ENGINES)}, got {cfg.parallel!r}")
     if cfg.parallel == "fsdp2" and parallel.launched_world() < 2:
         raise RunError("--parallel fsdp2 shards the model over the processes of torchrun: launch with "
                        "`torchrun --nproc-per-node N` (N >= 2), or leave --parallel at ddp for one process")
+    check_optimizer(cfg.optim, sharded=cfg.parallel == "fsdp2")  # also: bitsandbytes installed
     if cfg.compile and cfg.parallel == "fsdp2":
         raise RunError("--compile with --parallel fsdp2 is not supported yet (FSDP2's all-gather hooks would be "
                        "traced inside each compiled layer); use --compile with ddp, or fsdp2 without --compile")
@@ -264,6 +285,10 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     method = create(cfg.method, cfg, sequence=sequence)  # MethodError (a RunError) for the method's own options
     for name in (method_names(sequence=True) if sequence else method_names(single_domain=True)):
         REGISTRY[name].config_class.from_options(cfg)  # the other methods' options: MethodError for a bad value
+    if cfg.frozen_dtype == "nf4" and method.trains_every_weight:
+        raise RunError(f"--frozen-dtype nf4 holds the linear weights that do not train in 4 bits, and {cfg.method} "
+                       "trains every one: choose a method that freezes weights (lora, adept, llama_pro, ...) or "
+                       "another --frozen-dtype")
     if cfg.parallel == "fsdp2" and not method.shardable:
         raise RunError(f"method {cfg.method} cannot train a model sharded by FSDP2 (its hooks need the whole "
                        "weights); use --parallel ddp")
