@@ -54,8 +54,12 @@ def test_a_run_is_reused_only_under_its_resolved_configuration(tmp_path):
     assert not cc.reusable(_record({**wanted, "max_length": 256}), wanted, TASKS)  # a changed runner default
     assert not cc.reusable(_record(_wanted(tmp_path, seed=1)), wanted, TASKS)
     assert not cc.reusable(_record(wanted, tasks=TASKS[::-1]), wanted, TASKS)
-    missing = {k: v for k, v in wanted.items() if k != "truncation_mode"}  # recorded before the option existed
-    assert not cc.reusable(_record(missing), wanted, TASKS)
+    missing = {k: v for k, v in wanted.items() if k != "truncation_mode"}  # recorded before the option existed:
+    assert cc.reusable(_record(missing), wanted, TASKS)  # its default, the behaviour before it, is what ran
+    keep_start = _wanted(tmp_path, seed=0)
+    keep_start["truncation_mode"] = "keep_start"
+    assert not cc.reusable(_record(missing), keep_start, TASKS)
+    assert cc.reusable(_record({**wanted, "option_since_removed": 1}), wanted, TASKS)
     legacy = _record(wanted)
     del legacy["config"]
     assert not cc.reusable(legacy, wanted, TASKS)

@@ -50,9 +50,12 @@ def test_collect_takes_a_report_only_under_the_configuration_it_would_run(tmp_pa
     write_report(out, {**wanted(), "max_length": 256})  # a runner default changed
     assert collect() is None
     older = wanted()
-    del older["truncation_mode"]  # a report older than the option
+    del older["truncation_mode"]  # a report older than the option: what ran is its default
     write_report(out, older)
-    assert collect() is None
+    assert collect()["config"] == wanted()
+    keep_start = compare_methods.run_one("lora", 100, 3e-4, 0, 4, {"truncation_mode": "keep_start"}, out,
+                                         collect=True)
+    assert keep_start is None
     # where it wrote, checkpointed, logged or tracked does not change what a run computes
     write_report(out, {**wanted(out="elsewhere", save_every=5, logging_steps=3, report_to="tensorboard"),
                        "out": "elsewhere", "save_every": 5, "report_to": "tensorboard"})

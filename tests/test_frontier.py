@@ -100,7 +100,10 @@ def test_reuses_a_comparison_row_only_under_the_configuration_it_would_run(tmp_p
         _comparison(tmp_path / "compare-a.json", [_row("lora", {**wanted, **changed})])
         assert _frontier(tmp_path, monkeypatch)[0] == [("lora-lr0.0003-s0-k4-n100", 3e-4, 0)], changed
     older = dict(wanted)
-    del older["truncation_mode"]  # recorded before the option existed
+    del older["truncation_mode"]  # recorded before the option existed: what ran is its default
+    _comparison(tmp_path / "compare-a.json", [_row("lora", older)])
+    assert _frontier(tmp_path, monkeypatch)[0] == []
+    older["truncation_mode"] = "keep_start"  # but not another value
     _comparison(tmp_path / "compare-a.json", [_row("lora", older)])
     assert len(_frontier(tmp_path, monkeypatch)[0]) == 1
     capsys.readouterr()

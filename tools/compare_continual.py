@@ -19,11 +19,13 @@ and its change from the base model.
 Finished runs are reused, so seeds and variants can be added run by run, and the tables keep the rows
 of the --results JSON that this call does not name. A run is reused when its resolved configuration
 (`training.result_options`: every option that changes what it computes, defaults included, the
-method's own options alone) and its task list equal this call's: a run directory in --out with its
-report.json, else a record in the --results JSON. A record run without --benchmarks (or with other
+method's own options alone; an option added after the run, at its default: `as_recorded_today`)
+and its task list equal this call's: a run directory in --out with its report.json, else a record
+in the --results JSON. A record run without --benchmarks (or with other
 benchmark options) is reused when no benchmark is asked for, and run again when one is.
 """
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -34,7 +36,7 @@ from typing import Dict, List
 from adept_ext.continual import ContinualConfig, config_from, run
 from adept_ext.data.tasks import SEQUENCES
 from adept_ext.methods import method_names
-from adept_ext.training import BenchmarkOptions, result_options
+from adept_ext.training import BenchmarkOptions, as_recorded_today, result_options
 
 METRICS = ("AA", "BWT", "FWT", "general_forgetting", "plasticity")
 BENCHMARK_OPTIONS = {f.name for f in fields(BenchmarkOptions)} | {"benchmarks_every"}
@@ -91,12 +93,20 @@ def run_options(args, row, seed, extra) -> Dict:
     return options
 
 
+@functools.lru_cache(maxsize=None)
+def default_options(method: str) -> Dict:
+    """`result_options` of `adept-ext continual --method METHOD` with every other option at its default."""
+    return result_options(config_from({"method": method}))
+
+
 def reusable(record: Dict, wanted: Dict, tasks: List[str]) -> bool:
     """Whether a run's per-seed record answers for the run of resolved options `wanted` on `tasks`:
-    the same options (the benchmark options too where a benchmark is asked for) and task list."""
+    the same options as they read today (`as_recorded_today`; the benchmark options too where a
+    benchmark is asked for) and task list."""
     config = record.get("config")
     if config is None or [t["name"] for t in record["tasks"]] != tasks:
         return False
+    config = as_recorded_today(config, default_options(config["method"]))
     keys = [k for k in wanted if k not in BENCHMARK_OPTIONS or wanted["benchmarks"]]
     return all(k in config and config[k] == wanted[k] for k in keys)
 

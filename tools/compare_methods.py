@@ -15,12 +15,13 @@ tabulates a finished run in --out only where its report.json's configuration is 
 would run (a run made before a default changed is left out, and named).
 """
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from adept_ext.train import METHODS, RunConfig, config_from, run
-from adept_ext.training import result_options
+from adept_ext.training import as_recorded_today, result_options
 
 
 def main(argv=None):
@@ -74,19 +75,25 @@ def run_options(method: str, steps: int, lr: float, seed: int, k: int, extra: Di
     return options
 
 
+@functools.lru_cache(maxsize=None)
+def default_options(method: str) -> Dict:
+    """`result_options` of `adept-ext run --method METHOD` with every other option at its default."""
+    return result_options(config_from({"method": method}))
+
+
 def run_one(method: str, steps: int, lr: float, seed: int, k: int, extra: Dict[str, str], out: Path,
             collect: bool = False) -> Optional[Dict]:
     """One `adept-ext run` of `method` into `out` as a result row: general Δloss (forgetting), domain
     Δloss (gain), trainable fraction, layers, the benchmark difference ({task: {metric: {base, final,
     delta, stderr, beyond_2se}}}, {} without --benchmarks) and "config", the run's resolved
     configuration (`result_options`). With `collect`, the row of the finished report.json in `out`
-    instead: its recorded configuration restricted to the keys of the one this call would run (a key
-    the report lacks stays missing), and None where that differs from the one this call would run."""
+    instead: its recorded configuration as it reads today (`as_recorded_today`: an option added
+    since at its default), and None where that differs from the one this call would run."""
     cfg = config_from(run_options(method, steps, lr, seed, k, extra, out))
     wanted = result_options(cfg)
     if collect:
         report = json.loads((out / "report.json").read_text())
-        config = {key: report["config"][key] for key in wanted if key in report["config"]}
+        config = as_recorded_today(report["config"], default_options(method))
         if config != wanted:
             return None
     else:

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from adept_ext.train import config_from
-from adept_ext.training import result_options
-from compare_methods import run_one, run_options
+from adept_ext.training import as_recorded_today, result_options
+from compare_methods import default_options, run_one, run_options
 
 PLACEMENT_VARIANTS = [f"adept:placement={p}" for p in ("uniform", "domain_aware", "plasticity", "depth", "spread")]
 DEFAULT_METHODS = ["adept"] + PLACEMENT_VARIANTS + ["llama_pro", "lora", "full"]
@@ -60,7 +60,8 @@ def wanted_config(args, variant: Dict, lr: float, seed: int, extra: Dict) -> Dic
 
 def by_config(rows: List[Dict]) -> Tuple[Dict, int]:
     """({config_key: row} of the rows that record their configuration, how many do not)."""
-    found = {config_key(row["config"]): row for row in rows if "config" in row}
+    found = {config_key(as_recorded_today(row["config"], default_options(row["config"]["method"]))): row
+             for row in rows if "config" in row}
     return found, sum("config" not in row for row in rows)
 
 

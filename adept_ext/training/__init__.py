@@ -5,12 +5,14 @@ from .checkpoint import (SHARDS, load_training_state, read_checkpoint, remove_st
                          save_sharded_state, set_rng_state, shard, training_state)
 from .device import check_memory, device_for, frozen_dtype_for, peak_memory_mb, use_bf16
 from .loop import TaskHooks, evaluate, fit_task, optimizer_for, schedule, train_steps
-from .options import (BenchmarkOptions, TrainOptions, check_benchmark_options, check_types, data_workers,
+from .options import (BenchmarkOptions, TrainOptions, as_recorded_today, check_benchmark_options, check_types,
+                      data_workers,
                       options_from, result_options, with_method_options)
 from .rundir import CHECKPOINT, atomic_dir, atomic_write, check_out, prepare_out, saved_options
 from .tracking import Tracker, backends_of
 
-__all__ = ["BenchmarkOptions", "CHECKPOINT", "SHARDS", "TaskHooks", "Tracker", "TrainOptions", "atomic_dir",
+__all__ = ["BenchmarkOptions", "CHECKPOINT", "SHARDS", "TaskHooks", "Tracker", "TrainOptions", "as_recorded_today",
+           "atomic_dir",
            "atomic_write", "backends_of", "check_benchmark_options", "check_memory", "check_out", "check_types",
            "data_workers", "device_for", "evaluate", "fit_task",
            "frozen_dtype_for", "load_training_state", "optimizer_for", "options_from", "peak_memory_mb", "prepare_out",

@@ -170,6 +170,14 @@ def result_options(cfg) -> Dict:
             and (f.metadata.get("methods") is None or cfg.method in f.metadata["methods"].defaults)}
 
 
+def as_recorded_today(recorded: Dict, defaults: Dict) -> Dict:
+    """A run's recorded `result_options` read with today's options (`defaults`: `result_options` of
+    a default config of the same runner and method): an option it lacks, added after it ran, at its
+    default (an option is added with the behaviour before it as its default), one no longer offered
+    left out. A changed default still tells the run apart: its recorded value is the old one."""
+    return {k: recorded.get(k, v) for k, v in defaults.items()}
+
+
 def check_benchmark_options(cfg: BenchmarkOptions):
     """RunError for bad benchmark options (`harness.check_benchmarks`), before anything loads."""
     harness.check_benchmarks(harness.task_list(cfg.benchmarks), cfg.include_path, cfg.limit, cfg.num_fewshot,
