@@ -155,6 +155,9 @@ def resolve_config(args):
     values.setdefault("out", f"runs/{command}")
     if values.get("resume"):
         saved = current_names(saved_options(Path(values["out"]), command))
+        # an option the run's run.json lacks (added since) ran at its default
+        defaults = {f.name: f.default for f in fields(config_class(command)) if f.default is not None}
+        saved = {**{k: defaults[k] for k in values if k in defaults and k not in saved}, **saved}
         conflicts = [k for k, v in values.items() if k not in SAFE_ON_RESUME and k in saved and saved[k] != v
                      and not (k == "out")]
         if conflicts:

@@ -1,7 +1,8 @@
 """Frozen linear weights held in 4 bits during a task: `--frozen-dtype nf4` (docs/design.md, "Precision").
 
-QLoRA's data type through bitsandbytes: `hold_nf4` replaces every frozen `nn.Linear` of the decoder
-layers (LoRA's base layers, ADEPT's and LLaMA-Pro's originals, freeze_deep's deep block) by a
+QLoRA's data type (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", NeurIPS 2023:
+4-bit NormalFloat, double quantisation) through bitsandbytes: `hold_nf4` replaces every frozen
+`nn.Linear` of the decoder layers (LoRA's base layers, ADEPT's and LLaMA-Pro's originals, freeze_deep's deep block) by a
 `bitsandbytes.nn.Linear4bit` holding its weight as NF4 in blocks of 64 with double quantisation (the
 blocks' scales quantised too: about 0.52 bytes a weight), computing in `compute_dtype`. The exact
 layer moves to the host, and `release_nf4` puts it back, so what follows the steps (evaluation,
@@ -31,9 +32,10 @@ def bitsandbytes():
 
 
 def frozen_linears(model) -> List[Tuple[str, torch.nn.Linear]]:
-    """(name in `model`, module) of every plain `nn.Linear` inside the decoder layers none of whose
-    parameters trains and whose rows are whole blocks (`in_features` a multiple of 64, as every
-    hidden and intermediate size of the supported models is): bitsandbytes 0.50's CPU quantiser
+    """(name in `model`, module) of every plain `nn.Linear` inside the decoder layers, not an adapter's
+    own factor (PEFT's `lora_A`/`lora_B`), none of whose parameters trains and whose rows are whole
+    blocks (`in_features` a multiple of 64, as every hidden and intermediate size of the supported
+    models is): bitsandbytes 0.50's CPU quantiser
     rounds other shapes with up to three times NF4's error (measured: 32 x 32 at 0.33 of the largest
     weight, against 0.09 for 64 x 64), so such a layer stays as it is."""
     prefix = {id(layer): name for name, layer in model.named_modules()}
@@ -41,6 +43,7 @@ def frozen_linears(model) -> List[Tuple[str, torch.nn.Linear]]:
     for layer in adapter(model).layers:
         for name, module in layer.named_modules():
             if (type(module) is torch.nn.Linear and module.in_features % BLOCKSIZE == 0
+                    and not any(part.startswith("lora_") for part in name.split("."))
                     and not any(p.requires_grad for p in module.parameters())):
                 found.append((f"{prefix[id(layer)]}.{name}", module))
     return found
@@ -48,27 +51,30 @@ def frozen_linears(model) -> List[Tuple[str, torch.nn.Linear]]:
 
 def hold_nf4(model, compute_dtype: torch.dtype) -> int:
     """Replace the frozen linear layers of `model` (`frozen_linears`) by NF4 `Linear4bit`s on their
-    device, the exact layers kept on the host for `release_nf4`; returns how many were replaced.
-    RunError where a layer is already held."""
+    device, the exact layers kept on the host for `release_nf4`; returns how many are held. On any
+    error, or Ctrl-C, every layer replaced so far is put back first."""
     bnb = bitsandbytes()
     held: Dict[str, torch.nn.Linear] = model.__dict__.setdefault(_HELD, {})
-    for name, linear in frozen_linears(model):
-        if name in held:
-            raise RunError(f"{name} is held in 4 bits already")
-        device = linear.weight.device
-        quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type=QUANT_TYPE,
-                                      device="meta")
-        quantized.weight = bnb.nn.Params4bit(linear.weight.detach().clone(), requires_grad=False,
-                                             blocksize=BLOCKSIZE, compress_statistics=True, quant_type=QUANT_TYPE,
-                                             module=quantized)._quantize(device)
-        if linear.bias is not None:
-            quantized.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        quantized.support_avx512bf16_for_cpu = False  # one layout: not repacked in place for CPU inference
-        quantized.train(linear.training)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, quantized)
-        held[name] = linear.to("cpu")
+    try:
+        for name, linear in frozen_linears(model):
+            device = linear.weight.device
+            quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                          compute_dtype=compute_dtype, compress_statistics=True,
+                                          quant_type=QUANT_TYPE, device="meta")
+            quantized.weight = bnb.nn.Params4bit(linear.weight.detach().clone(), requires_grad=False,
+                                                 blocksize=BLOCKSIZE, compress_statistics=True, quant_type=QUANT_TYPE,
+                                                 module=quantized).to(device)  # quantised on the way
+            if linear.bias is not None:
+                quantized.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            quantized.support_avx512bf16_for_cpu = False  # one layout: not repacked in place for CPU inference
+            quantized.train(linear.training)
+            held[name] = linear  # before the swap: release_nf4 puts back whatever was swapped
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, quantized)
+            linear.to("cpu")
+    except BaseException:
+        release_nf4(model)
+        raise
     return len(held)
 
 

@@ -177,3 +177,59 @@ def test_a_sequence_killed_inside_a_task_resumes_to_the_uninterrupted_result(wor
     assert sum(resumed["matrix"], []) == pytest.approx(sum(whole["matrix"], []), rel=1e-5)
     losses = lambda report: [entry["loss"] for task in report["history"] for entry in task]  # noqa: E731
     assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+
+
+def test_under_bf16_the_held_layers_come_back_exact(workspace, held):
+    """bf16 autocast (the GPU's usual case, --bf16 on here): the frozen weights that are not held are
+    bfloat16 during the steps, the held layers are quantised from and restored to their float32 weights,
+    never rounded to bfloat16 on the way."""
+    source = AutoModelForCausalLM.from_pretrained(workspace / "tiny").state_dict()
+    run(options(workspace, "nf4-bf16", method="adept", bf16="on", frozen_dtype="nf4"), progress=False, log=quiet)
+    assert held[0]["frozen"] == {torch.uint8, torch.bfloat16}  # 4-bit layers; norms, embeddings in bfloat16
+    weights = AutoModelForCausalLM.from_pretrained(workspace / "nf4-bf16" / "model").state_dict()
+    info = AutoModelForCausalLM.from_pretrained(workspace / "nf4-bf16" / "model").config.adept
+    originals = [j for j in range(len(info["expanded_layers"]) + 4) if j not in info["expanded_layers"]]
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    checked = 0
+    for i, j in enumerate(originals):
+        for key, value in source.items():
+            if f".layers.{i}." in key and any(f".{p}." in key for p in projections):
+                assert torch.equal(weights[key.replace(f".layers.{i}.", f".layers.{j}.")], value), key
+                checked += 1
+    assert checked == 4 * len(projections)
+    embed = "model.embed_tokens.weight"  # not a linear layer: held as auto holds it, bfloat16
+    assert torch.equal(weights[embed], source[embed].to(torch.bfloat16).float())
+
+
+def test_a_failure_during_the_steps_leaves_no_four_bit_layer(workspace, monkeypatch):
+    seen = {}
+
+    def failing(model, task, *args, **kwargs):
+        seen["model"] = getattr(model, "module", model)
+        assert any(isinstance(m, bnb.nn.Linear4bit) for m in seen["model"].modules())
+        raise RuntimeError("out of memory (planted)")
+
+    monkeypatch.setattr(loop, "train_steps", failing)
+    with pytest.raises(RuntimeError, match="planted"):
+        run(options(workspace, "nf4-failed", method="lora", frozen_dtype="nf4"), progress=False, log=quiet)
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in seen["model"].modules())
+    assert quantize.release_nf4(seen["model"]) == 0  # nothing left on the host either
+
+
+def test_a_hold_that_fails_half_way_puts_back_what_it_replaced(workspace, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(workspace / "tiny").requires_grad_(False)
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    real, made = bnb.nn.Linear4bit, []
+
+    def third_fails(*args, **kwargs):
+        made.append(1)
+        if len(made) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bnb.nn, "Linear4bit", third_fails)
+    with pytest.raises(KeyboardInterrupt):
+        quantize.hold_nf4(model, torch.float32)
+    assert len(made) == 3 and not any(isinstance(m, real) for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == source.keys() and all(torch.equal(after[k], source[k]) for k in source)

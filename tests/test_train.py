@@ -503,6 +503,12 @@ def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspac
     monkeypatch.setattr(train_module, "evaluate", real_evaluate)
     assert main(["run", "--out", str(out), "--resume", "--method", "lora", "--no-progress"]) == 2
     assert "differs from the run's own method ('full')" in capsys.readouterr().err
+    marker = json.loads((out / "run.json").read_text())
+    older = {**marker, "config": {k: v for k, v in marker["config"].items() if k != "optim"}}
+    (out / "run.json").write_text(json.dumps(older))  # a run started before --optim existed: it ran adamw_torch
+    assert main(["run", "--out", str(out), "--resume", "--optim", "adamw_8bit", "--no-progress"]) == 2
+    assert "differs from the run's own optim ('adamw_torch')" in capsys.readouterr().err
+    (out / "run.json").write_text(json.dumps(marker))
     checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
     assert checkpoint["world_size"] == 1
     torch.save({**checkpoint, "world_size": 2}, out / "checkpoint.pt")  # as if written by 2 torchrun processes

@@ -35,6 +35,7 @@ from typing import Dict, List
 
 from adept_ext.continual import ContinualConfig, config_from, run
 from adept_ext.data.tasks import SEQUENCES
+from adept_ext.errors import RunError
 from adept_ext.methods import method_names
 from adept_ext.training import BenchmarkOptions, as_recorded_today, result_options
 
@@ -106,7 +107,10 @@ def reusable(record: Dict, wanted: Dict, tasks: List[str]) -> bool:
     config = record.get("config")
     if config is None or [t["name"] for t in record["tasks"]] != tasks:
         return False
-    config = as_recorded_today(config, default_options(config["method"]))
+    try:
+        config = as_recorded_today(config, default_options(config["method"]))
+    except RunError:  # a method no longer offered
+        return False
     keys = [k for k in wanted if k not in BENCHMARK_OPTIONS or wanted["benchmarks"]]
     return all(k in config and config[k] == wanted[k] for k in keys)
 

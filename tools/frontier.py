@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from adept_ext.train import config_from
+from adept_ext.train import METHODS, config_from
 from adept_ext.training import as_recorded_today, result_options
 from compare_methods import default_options, run_one, run_options
 
@@ -60,8 +60,10 @@ def wanted_config(args, variant: Dict, lr: float, seed: int, extra: Dict) -> Dic
 
 def by_config(rows: List[Dict]) -> Tuple[Dict, int]:
     """({config_key: row} of the rows that record their configuration, how many do not)."""
-    found = {config_key(as_recorded_today(row["config"], default_options(row["config"]["method"]))): row
-             for row in rows if "config" in row}
+    found = {}
+    for row in rows:
+        if "config" in row and row["config"].get("method") in METHODS:  # a method still offered
+            found[config_key(as_recorded_today(row["config"], default_options(row["config"]["method"])))] = row
     return found, sum("config" not in row for row in rows)
 
 

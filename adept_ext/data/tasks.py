@@ -79,7 +79,8 @@ class Classification:
                 for text, label in chosen]
 
 
-# Balanced (the label counts differ: 561 spam among 4,534 messages); chance is 1/labels.
+# Balanced (the label counts differ: 561 spam among 4,534 messages); chance is 1/labels. TREC's fine classes
+# are capped at 150 questions each, not balanced (the smallest have 62 to 74).
 CLASSIFICATION_TASKS = {
     "sms-spam": Classification(sms_spam_labelled, "Message", "Spam or ham:", 500),
     "rt-sentiment": Classification(rotten_tomatoes_labelled, "Review", "Fresh or rotten:", 500),

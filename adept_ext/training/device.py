@@ -1,6 +1,6 @@
 """Where a run trains and in what precision, and whether it fits in memory."""
 import resource
-from typing import Dict
+from typing import Collection, Dict
 
 import torch
 
@@ -42,12 +42,13 @@ def frozen_dtype_for(cfg, bf16: bool) -> torch.dtype:
     return torch.bfloat16 if cfg.frozen_dtype in ("auto", "nf4") and bf16 and cfg.parallel != "fsdp2" else torch.float32
 
 
-def cast_frozen(model, dtype: torch.dtype) -> int:
-    """Hold every floating-point parameter of `model` that does not require grad in `dtype` (the
-    Parameter objects stay, their data is replaced); returns how many were cast."""
+def cast_frozen(model, dtype: torch.dtype, keep: Collection[torch.nn.Parameter] = ()) -> int:
+    """Hold every floating-point parameter of `model` that does not require grad, but those in
+    `keep`, in `dtype` (the Parameter objects stay, their data is replaced); returns how many were cast."""
+    kept = {id(p) for p in keep}
     cast = 0
     for p in model.parameters():
-        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype and id(p) not in kept:
             p.data = p.data.to(dtype)
             cast += 1
     return cast
@@ -64,7 +65,11 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     default the run's)."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + quantize.held_bytes(model)
-    optimizer = int(trainable * (4 + moment_bytes(cfg.optim))) // shards
+    # trainable embedding weights keep float32 moments under an 8-bit optimizer (as in HF's Trainer)
+    embeddings = sum(m.weight.numel() for m in model.modules()
+                     if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad)
+    optimizer = int(trainable * 4 + (trainable - embeddings) * moment_bytes(cfg.optim)
+                    + embeddings * moment_bytes("adamw_torch")) // shards
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
     logits = 0 if fused else 8 * c.vocab_size
     layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)  # one decoder layer's saved activations
@@ -87,6 +92,7 @@ def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int
     weights, optimizer, activations = estimate["weights"], estimate["optimizer"], estimate["activations"]
     need = weights + optimizer + activations
     if device_for(cfg).type == "cuda":
+        torch.cuda.empty_cache()  # what casting or holding the frozen weights freed, back to the driver first
         available = torch.cuda.mem_get_info()[0] + weights  # the weights are already on the device
     else:
         with open("/proc/meminfo") as f:

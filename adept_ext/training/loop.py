@@ -232,9 +232,10 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
                    loss_implementation=cfg.loss_implementation, progress=progress, log=log)
     n_trainable = sum(p.numel() for p in task.trainable)
     frozen = frozen_dtype_for(cfg, bf16)
-    if cast_frozen(model, frozen) and frozen != torch.float32:
-        log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
     nf4 = cfg.frozen_dtype == "nf4"
+    to_hold = [p for _, m in quantize.frozen_linears(model) for p in m.parameters()] if nf4 else []
+    if cast_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
+        log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
     shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
     if not nf4:  # nf4: once the layers are held, below
         check_memory(cfg, model, bf16, n_trainable, shards)
@@ -249,10 +250,6 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     else:
         trained = parallel.wrap(model, device)
     optimizer, scheduler = optimizer_for(task, cfg)
-    if nf4:  # after the optimizer's hooks: ADEPT scores its source layers there, on their exact weights
-        held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
-        log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
-        check_memory(cfg, model, bf16, n_trainable, shards)
     step = 0
     if checkpoint:
         load_training_state(checkpoint, model, method, optimizer, scheduler, out)
@@ -277,6 +274,10 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
 
     model.train()
     try:
+        if nf4:  # after the optimizer's hooks: ADEPT scores its source layers there, on their exact weights
+            held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
+            log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
+            check_memory(cfg, model, bf16, n_trainable, shards)
         train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
                     progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
     except KeyboardInterrupt:
@@ -286,9 +287,10 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
             save_checkpoint(step)
             log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
         raise
+    finally:  # the exact layers again (nf4), also when the steps fail: no 4-bit layer is left in the model
+        quantize.release_nf4(model)
     if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
         compile_layers(model, False)
-    quantize.release_nf4(model)  # the exact layers again (--frozen-dtype nf4)
     cast_frozen(model, torch.float32)  # evaluation, finish (merges, saving) and the next task in float32 again
     hooks.trained(step)
     if cfg.gradient_checkpointing:

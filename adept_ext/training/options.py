@@ -86,9 +86,10 @@ class TrainOptions:
         "with fsdp2), bfloat16 (needs bf16 autocast; not with fsdp2), float32, or nf4 (QLoRA's 4-bit NormalFloat "
         "through bitsandbytes, double quantisation, for the frozen linear layers of the decoder: LoRA's base, "
         "ADEPT's and LLaMA-Pro's originals, freeze_deep's deep block; the other frozen weights as auto; not with "
-        "fsdp2, --compile or a method that trains every weight); trainable weights, gradients and AdamW state stay "
-        "float32, and the exact weights are back for evaluation, merging and saving (nf4: the layers as they were "
-        "before the task, kept on the host meanwhile, so nothing saved carries a rounding error)"))
+        "fsdp2, --compile or a method that trains every weight); trainable weights and gradients stay float32 (AdamW's "
+        "state too, unless --optim is 8-bit), and the exact weights are back for evaluation, merging and saving (nf4: "
+        "the layers as they were before the task, kept on the host meanwhile, so nothing saved carries a rounding "
+        "error)"))
     device: str = option("auto", help="auto, cpu or cuda")
     parallel: str = option("ddp", help=(
         "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and optimizer state "
@@ -174,7 +175,9 @@ def as_recorded_today(recorded: Dict, defaults: Dict) -> Dict:
     """A run's recorded `result_options` read with today's options (`defaults`: `result_options` of
     a default config of the same runner and method): an option it lacks, added after it ran, at its
     default (an option is added with the behaviour before it as its default), one no longer offered
-    left out. A changed default still tells the run apart: its recorded value is the old one."""
+    left out, a former name (`RENAMED`) read as the name now. A changed default still tells the run
+    apart: its recorded value is the old one."""
+    recorded = current_names(recorded)
     return {k: recorded.get(k, v) for k, v in defaults.items()}
 
 
