@@ -109,5 +109,11 @@ def test_benchmark_columns_and_rows_kept_from_earlier_results(tmp_path):
     kept = cc.earlier_rows(args, {})
     assert list(kept) == ["seq_lora", "o_lora"] and kept["seq_lora"]["seeds"][1]["seed"] == 1
     assert json.loads(Path(args.results).with_suffix(".json").read_text())["budget"]["seeds"] == [0, 1]
+    assert cc.current(args, {}, kept["seq_lora"]) and cc.current(args, {}, kept["o_lora"])
+    legacy = {**kept["o_lora"], "seeds": [{k: v for k, v in kept["o_lora"]["seeds"][0].items() if k != "config"}]}
+    assert not cc.current(args, {}, legacy)  # recorded before runs kept their configuration
+    cc.write_results(args, {}, [seq_lora, {**legacy, "stale": True}])
+    table = Path(args.results).with_suffix(".md").read_text()
+    assert "| o_lora † | 0 |" in table and "| seq_lora | 0, 1 |" in table and "† Run before runs kept" in table
     assert cc.earlier_rows(_args(tmp_path, steps=20), {}) == {}  # another budget: a table of its own
     assert cc.earlier_rows(_args(tmp_path, tasks="builtin"), {}) == {}

@@ -212,6 +212,8 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",")]
     recorded = recorded_runs(args)
     results = earlier_rows(args, extra)
+    for row in results.values():
+        row["stale"] = not current(args, extra, row)
     for row in rows_to_run(args):
         records = [record for seed in seeds if (record := one_run(args, row, seed, extra, recorded)) is not None]
         if not records:
@@ -220,6 +222,17 @@ def main():
         print(json.dumps({k: v for k, v in results[row["label"]].items() if k not in ("seeds", "tasks")}))
         write_results(args, extra, list(results.values()))
     print(f"wrote {Path(args.results).with_suffix('.md')} and {Path(args.results).with_suffix('.json')}")
+
+
+def current(args, extra, row: Dict) -> bool:
+    """Whether every seed of a results row was run under the options this call would run it with
+    (benchmarks aside): False for a row recorded before runs kept their configuration, or under a
+    default that changed since. Such a row stays in the tables, marked †."""
+    plain = argparse.Namespace(**{**vars(args), "benchmarks": ""})
+    spec = {"label": row["label"], "method": row["method"], "options": row["options"]}
+    return all(reusable({**s, "tasks": row["tasks"]},
+                        result_options(config_from(run_options(plain, spec, s["seed"], extra))), task_names(args.tasks))
+               for s in row["seeds"])
 
 
 def earlier_rows(args, extra) -> Dict[str, Dict]:
@@ -312,12 +325,15 @@ def write_results(args, extra, rows):
              "| method | seeds | AA | BWT | FWT | plasticity | min ratio to seq_lora | general forgetting "
              "| trainable per task | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {', '.join(str(s['seed']) for s in r['seeds'])} | "
+    lines += [f"| {r['label']}{' †' if r.get('stale') else ''} | {', '.join(str(s['seed']) for s in r['seeds'])} | "
               f"{_with_seeds(r, 'AA', lambda v: f'{v:.4f}')} | {_with_seeds(r, 'BWT', _signed)} | "
               f"{_with_seeds(r, 'FWT', _signed)} | {_with_seeds(r, 'plasticity', _signed)} | "
               f"{plasticity_ratio(r, reference)} | {_with_seeds(r, 'general_forgetting', _signed)} | "
               f"{', '.join(f'{n / 1e6:.2f}M' for n in r['trainable_parameters'])} | {r['wall_seconds']:.0f} |"
               for r in rows]
+    if any(r.get("stale") for r in rows):
+        lines += ["", "† Run before runs kept their configuration, or under a default that changed since: kept as "
+                  "recorded, not rerun (`tools/compare_continual.py` reruns it when the row is named)."]
     lines += ["", "Final scores per task (row T of the matrix, mean over the seeds) and general loss:", "",
               "| method | " + " | ".join(names) + " | general loss |", "|---|" + "---|" * (len(names) + 1)]
     lines += [f"| {r['label']} | " + " | ".join(f"{s:.4f}" for s in r["final_scores"])
