@@ -84,11 +84,13 @@ def default_options(method: str) -> Dict:
 def run_one(method: str, steps: int, lr: float, seed: int, k: int, extra: Dict[str, str], out: Path,
             collect: bool = False) -> Optional[Dict]:
     """One `adept-ext run` of `method` into `out` as a result row: general Δloss (forgetting), domain
-    Δloss (gain), trainable fraction, layers, the benchmark difference ({task: {metric: {base, final,
-    delta, stderr, beyond_2se}}}, {} without --benchmarks) and "config", the run's resolved
-    configuration (`result_options`). With `collect`, the row of the finished report.json in `out`
-    instead: its recorded configuration as it reads today (`as_recorded_today`: an option added
-    since at its default), and None where that differs from the one this call would run."""
+    Δloss (gain), trainable fraction, layers, the training's tokens/s and peak memory (on the CPU the
+    process's peak resident memory so far: a later method of one call reads at least an earlier
+    one's), the benchmark difference ({task: {metric: {base, final, delta, stderr, beyond_2se}}}, {}
+    without --benchmarks) and "config", the run's resolved configuration (`result_options`). With
+    `collect`, the row of the finished report.json in `out` instead: its recorded configuration as it
+    reads today (`as_recorded_today`: an option added since at its default), and None where that
+    differs from the one this call would run."""
     cfg = config_from(run_options(method, steps, lr, seed, k, extra, out))
     wanted = result_options(cfg)
     if collect:
@@ -103,6 +105,8 @@ def run_one(method: str, steps: int, lr: float, seed: int, k: int, extra: Dict[s
             "wall_seconds": report["wall_seconds"], "layers": report["layers"],
             "base": report["base"], "final": report["final"],
             "mean_lr_multiplier": report.get("unit_rates", {}).get("mean_multiplier"),
+            "tokens_per_second": report.get("stages", {}).get("train", {}).get("tokens_per_second"),
+            "peak_memory_mb": report.get("stages", {}).get("train", {}).get("peak_memory_mb"),
             "benchmarks": report.get("benchmarks", {}).get("difference", {}), "config": config}
 
 
@@ -137,11 +141,12 @@ def write_results(args, rows):
              "better)."
              + (" Benchmarks (lm-eval): the final model's value (its change from the base model, and the stderr of "
                 "that change, the two scores taken as independent)." if columns else ""), "",
-             "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | layers |"
-             + "".join(f" {task} {metric} |" for task, metric in columns),
-             "|---|---|---|---|---|---|" + "---|" * len(columns)]
+             "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | train tokens/s "
+             "| peak memory MB | layers |" + "".join(f" {task} {metric} |" for task, metric in columns),
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(columns)]
     lines += [f"| {r['method']} | {r['general_delta']:+.4f} | {r['domain_delta']:+.4f} | "
-              f"{r['trainable_fraction']:.1%} | {r['wall_seconds']} | {r['layers']} |"
+              f"{r['trainable_fraction']:.1%} | {r['wall_seconds']} | {r.get('tokens_per_second') or '–'} | "
+              f"{r.get('peak_memory_mb') or '–'} | {r['layers']} |"
               + "".join(f" {benchmark_cell(r, task, metric)} |" for task, metric in columns) for r in rows]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
