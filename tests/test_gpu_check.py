@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_summary  # noqa: E402
 
 CALL1 = ["build", "import", "tests", "memcheck", "racecheck"]
-CALL2 = ["build", "import", "peers", "bench_linear_ce_large", "bench_train_step_large", "bench_probe_large",
+CALL2 = ["build", "import", "peers", "quant", "bench_linear_ce_large", "bench_train_step_large", "bench_probe_large",
          "bench_importance_large", "bench_projection_large", "bench_lr_large"]
 BOTH = CALL1 + CALL2[2:]
 SETTINGS = ("PYTHONPATH", "PYTHON", "DRY_RUN", "EMULATE", "STEPS", "CALL", "BUDGET_S", "WORK", "WHEELS")
@@ -50,12 +50,14 @@ def test_dry_run_prints_two_calls_within_ten_minutes(tmp_path):
         assert re.findall(r"^  (\w+) +\d+ s ", call, flags=re.M) == steps
     sums = [int(s) for s in re.findall(r"sum of the limits: (\d+) s", text)]
     assert sum(sums) <= 600 and f"command time in all: {sum(sums)} s of at most 600 s" in text
-    line = {name: next(s for s in text.splitlines() if s.startswith(f"  {name} ")) for name in CALL1}
+    line = {name: next(s for s in text.splitlines() if s.startswith(f"  {name} ")) for name in CALL1 + ["quant"]}
     assert "NVCC_APPEND_FLAGS=-lineinfo" in line["build"] and "build_ext --inplace" in line["build"]
     assert "--continue-on-collection-errors" in line["tests"] and "tests/test_frozen_dtype.py" not in line["tests"]
     for tool in ("memcheck", "racecheck"):
         assert f"--tool {tool} --kernel-name kns=adept_ext" in line[tool] and " -x " not in line[tool]
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in line["memcheck"] and "not graph" in line["memcheck"]
+    assert "<import bitsandbytes, else fail saying so>" in line["quant"]
+    assert "-k cuda tests/test_quantize.py tests/test_optim_8bit.py" in line["quant"]
     assert not (tmp_path / "out").exists()  # a plan: nothing run, nothing written
 
 
@@ -92,8 +94,13 @@ def test_every_step_imports_and_parses_its_arguments_as_on_the_device(tmp_path, 
     for name in BOTH:
         if name.startswith("bench_"):
             assert "imports ok: adept_ext from " + os.path.join(ROOT, "adept_ext") in (logs / f"{name}.log").read_text()
-    for name in ("tests", "memcheck", "racecheck"):  # each selects tests (on a GPU also their [cuda] cases)
+    for name in ("tests", "memcheck", "racecheck", "quant"):  # each selects tests (on a GPU also their [cuda] cases)
         assert re.search(r"^\d+/\d+ tests collected", (logs / f"{name}.log").read_text(), flags=re.M), name
+    quant = (logs / "quant.log").read_text()  # bitsandbytes' [cuda] cases only, each module's
+    assert re.search(r"^bitsandbytes [\d.]+ from ", quant, flags=re.M)
+    assert "test_quantize.py::test_hold_computes_with_the_dequantized_weights_and_release_restores_them[cuda]" in quant
+    assert "test_optim_8bit.py::test_steps_follow_adamw_with_8bit_moments[cuda-adamw_8bit]" in quant
+    assert "[cpu" not in quant
     assert sorted(os.listdir(tmp_path / "out")) == ["gpu-check-both.json", "gpu-check-both.tar.gz"]
     with tarfile.open(tmp_path / "out" / "gpu-check-both.tar.gz") as tar:
         assert {"./summary.json", "./machine.json", "./steps.tsv", "./logs/tests.log"} <= set(tar.getnames())
@@ -115,6 +122,20 @@ def test_steps_selects_and_rejects_unknown_names(tmp_path):
     assert run_script(tmp_path, STEPS="bulid").returncode == 2
     assert run_script(tmp_path, CALL="1", STEPS="peers").returncode == 2  # a step of the other call
     assert run_script(tmp_path, CALL="3").returncode == 2
+
+
+def test_quant_fails_saying_so_without_bitsandbytes(tmp_path):
+    """No bitsandbytes where the device's Python looks (a wheel folder without it): the quant step fails
+    and its log says what to carry, rather than its tests being skipped."""
+    shadow = tmp_path / "shadow" / "bitsandbytes"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('planted: no bitsandbytes here')\n")
+    proc = run_script(tmp_path, EMULATE="1", CALL="2", STEPS="quant", PYTHONPATH=str(tmp_path / "shadow"))
+    assert proc.returncode == 1 and "FAILED: quant (failed)" in proc.stdout, proc.stdout + proc.stderr
+    log = (tmp_path / "work" / "logs" / "quant.log").read_text()
+    assert "quant: bitsandbytes is not importable (planted: no bitsandbytes here)" in log
+    assert "put its wheel in the wheel folder" in log and "tests collected" not in log
+    assert summary_of(tmp_path, "call2")["failed_steps"] == ["quant"]
 
 
 def test_a_sanitizer_that_refuses_the_gpu_is_unsupported_not_failed(tmp_path):
@@ -206,6 +227,19 @@ def test_summary_reads_configurations_that_recorded_an_error(tmp_path):
     assert goals["33_linear_ce_fwd_bwd"] is None and goals["3_linear_ce"] is False  # no GEMM fraction: not met
     assert summary["figures"]["linear_ce"]["forward"]["cut_cross_entropy"] == error
     assert summary["figures"]["probe"]["unreadable"].startswith("AttributeError")
+
+
+def test_summary_counts_the_quant_step_s_tests(tmp_path):
+    write_run(tmp_path, [("quant", "failed", 1)])
+    (tmp_path / "logs" / "quant.xml").write_text(
+        '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="0">'
+        '<testcase classname="tests.test_quantize" name="test_hold[cuda]"><failure message="x"/></testcase>'
+        '</testsuite></testsuites>')
+    assert gpu_summary.main([str(tmp_path)]) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["quant_tests"]["passed"] == 3 and summary["quant_tests"]["failed_ids"] == [
+        "tests.test_quantize::test_hold[cuda]"]
+    assert summary["tests"] is None  # the tests step's count is its own
 
 
 @pytest.mark.parametrize("text", ["", "{not json"])

@@ -28,26 +28,34 @@ def workspace(tmp_path_factory):
     return write_run_workspace(tmp_path_factory.mktemp("optim8"))
 
 
-def _params(seed=0):
-    """Two tensors of at least MIN_8BIT_SIZE elements (8-bit moments) and one smaller (float32 moments)."""
+# bitsandbytes' CUDA kernels on a GPU (tools/gpu_check.sh runs the [cuda] cases with the carried wheel).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a GPU (tools/gpu_check.sh runs it)"))]
+
+
+def _params(seed=0, device="cpu"):
+    """Two tensors of at least MIN_8BIT_SIZE elements (8-bit moments) and one smaller (float32 moments),
+    drawn on the host (the same values on every device)."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((64, 128), (4096,), (33, 5))]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((64, 128), (4096,), (33, 5))]
 
 
 def _step(opt, params, step):
     gen = torch.Generator().manual_seed(100 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
     opt.step()
 
 
 @pytest.mark.parametrize("name", EIGHT_BIT)
-def test_steps_follow_adamw_with_8bit_moments(name):
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_follow_adamw_with_8bit_moments(name, device):
     """20 steps of a schedule: the weights' change is AdamW's within 5 % (norm of the difference over the
     norm of AdamW's change; fixed before the first run: the moments' blockwise 8-bit codes err by about 1 %
-    each step), the moments of the large tensors are uint8 codes with float32 block scales, and the
-    state is about 2 bytes per parameter of those tensors against AdamW's 8."""
-    ours_params, ref_params = _params(), _params()
+    each step; the same bound for bitsandbytes' CUDA kernels, which implement the same blockwise update),
+    the moments of the large tensors are uint8 codes with float32 block scales on the parameters' device,
+    and the state is about 2 bytes per parameter of those tensors against AdamW's 8."""
+    ours_params, ref_params = _params(device=device), _params(device=device)
     ours = make_optimizer(name, [{"params": ours_params}], lr=1e-3, weight_decay=0.05)
     ref = torch.optim.AdamW(ref_params, lr=1e-3, weight_decay=0.05)
     start = [p.detach().clone() for p in ref_params]
@@ -64,6 +72,7 @@ def test_steps_follow_adamw_with_8bit_moments(name):
     for state in (big, other):
         assert state["state1"].dtype == state["state2"].dtype == torch.uint8
         assert state["absmax1"].dtype == torch.float32
+        assert state["state1"].device.type == state["absmax1"].device.type == device
         assert state["absmax1"].numel() == -(-state["state1"].numel() // 256)
     assert small["state1"].dtype == torch.float32  # under MIN_8BIT_SIZE: float32, as bitsandbytes and HF do
     # two uint8 moments and two float32 scales per block of 256, the two 256-entry float32 maps (shared),

@@ -2,7 +2,10 @@
 # GPU check (issue 33): a lent GPU's minutes turned into a verdict, in two device calls whose step
 # limits add up to at most 10 minutes of command time (a lent GPU has 15 minutes, its start included):
 #   call 1, the kernels:    build (nvcc -lineinfo), import, the CUDA tests, memcheck, racecheck
-#   call 2, the benchmarks: the peers from a carried wheel folder, tools/bench.py at --size large
+#   call 2, the benchmarks: the peers from a carried wheel folder (Liger, cut-cross-entropy, bitsandbytes),
+#                           quant (the [cuda] cases of tests/test_quantize.py and tests/test_optim_8bit.py:
+#                           --frozen-dtype nf4 and the 8-bit AdamW with bitsandbytes' CUDA kernels),
+#                           tools/bench.py at --size large
 # Call 2 reuses call 1's in-place build, which a warm machine keeps; on a fresh machine it builds
 # again within its own budget, and its last benchmarks are left out for time.
 # The device has torch but no install of adept_ext: every step imports it from this source tree.
@@ -44,10 +47,11 @@ export PYTHONPATH="$ROOT:$WORK/peers${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 # Each call's steps as name:limit in seconds, the goals' benchmarks first. Call 2's build is 0: it
-# reuses call 1's; a fresh machine builds again, for at most BUILD_S of call 2's budget.
+# reuses call 1's; a fresh machine builds again, for at most BUILD_S of call 2's budget. quant's 25 s
+# were bench_train_step_large's (110 s before).
 BUILD_S=100
 CALL1_STEPS="build:$BUILD_S import:15 tests:70 memcheck:70 racecheck:30"
-CALL2_STEPS="build:0 import:15 peers:10 bench_linear_ce_large:60 bench_train_step_large:110 bench_probe_large:45
+CALL2_STEPS="build:0 import:15 peers:10 quant:25 bench_linear_ce_large:60 bench_train_step_large:85 bench_probe_large:45
 bench_importance_large:25 bench_projection_large:25 bench_lr_large:25"
 MAX_COMMAND_S=600  # both calls together: 10 minutes
 case $CALL in
@@ -112,6 +116,17 @@ if not emulate:
         json.dump(info, f, indent=2)
 EOF
 )
+# The quant step's first check: bitsandbytes comes from the wheel folder, through the peers step.
+BNB_PY=$(cat <<'EOF'
+import sys
+try:
+    import bitsandbytes
+except ImportError as e:
+    sys.exit(f"quant: bitsandbytes is not importable ({e}): put its wheel in the wheel folder, which the peers "
+             "step installs (docs/install.md, GPU check); --frozen-dtype nf4 and --optim adamw_8bit are not checked")
+print("bitsandbytes", bitsandbytes.__version__, "from", bitsandbytes.__file__)
+EOF
+)
 
 # define NAME: sets CMD (the step), EMU (its imports and argument parsing only) and SHOWN (CMD as printed).
 define() {
@@ -136,7 +151,7 @@ define() {
       py=("${PYTEST[@]}" -m "not slow" -k "$RACE_K" $OP_TESTS)
       CMD=("$SANITIZER" --tool racecheck "${SANITIZE[@]}" "${py[@]}")
       EMU=("${py[@]}" --collect-only) ;;
-    peers)  # pure-Python wheels, no registry on the device; their dependencies (torch, triton) are there
+    peers)  # no registry on the device; the wheels' dependencies (torch, triton, numpy, packaging) are there
       if compgen -G "$WHEELS/*.whl" > /dev/null; then
         CMD=("$PY" -m pip install --no-index --no-deps --upgrade --target "$WORK/peers" "$WHEELS"/*.whl)
         EMU=("${CMD[@]}" --dry-run)
@@ -144,6 +159,10 @@ define() {
         CMD=(echo "no $WHEELS/*.whl: the peers are not measured (docs/install.md, GPU check)")
         EMU=("${CMD[@]}")
       fi ;;
+    quant)  # bitsandbytes' CUDA kernels under --frozen-dtype nf4 and --optim adamw_8bit: the [cuda] cases
+      py=("${PYTEST[@]}" -rs --junitxml="$WORK/logs/quant.xml" -k cuda tests/test_quantize.py tests/test_optim_8bit.py)
+      CMD=(bash -c '"$1" -c "$2" || exit; shift 2; exec "$@"' quant "$PY" "$BNB_PY" "${py[@]}")
+      EMU=("${CMD[@]}" --collect-only) ;;
     bench_*_large)
       b=${1#bench_}; b=${b%_large}
       CMD=("$PY" tools/bench.py "$b" --size large --device cuda --json "$WORK/bench/${b}_large.json")
@@ -151,6 +170,7 @@ define() {
   esac
   SHOWN="${CMD[*]}"
   [ "$1" = import ] && SHOWN="$PY -c <write machine.json, import adept_ext, assert its CUDA kernels run here>"
+  [ "$1" = quant ] && SHOWN="$PY -c <import bitsandbytes, else fail saying so> && ${py[*]}"
   SHOWN=${SHOWN//$WORK/\$WORK}
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Merge the outputs of one tools/gpu_check.sh call into ONE JSON summary: every step's status and
-time (with its log's tail when it did not pass), the test and sanitizer counts, every benchmark's
-full results, the headline figures and whether the goals of issues 11 and 33 were met.
+time (with its log's tail when it did not pass), the test counts (the tests step's, and the quant
+step's: bitsandbytes' CUDA kernels) and sanitizer counts, every benchmark's full results, the
+headline figures and whether the goals of issues 11 and 33 were met.
 
     python tools/gpu_summary.py WORK_DIR [--call LABEL] [--budget-s S] [--elapsed-s S]
         (reads WORK_DIR/steps.tsv, logs/, bench/, machine.json; writes WORK_DIR/summary.json)
@@ -261,6 +262,7 @@ def main(argv=None):
         "machine": read_json(os.path.join(args.out, "machine.json")),
         "steps": steps,
         "tests": read_junit(os.path.join(args.out, "logs", "tests.xml")),
+        "quant_tests": read_junit(os.path.join(args.out, "logs", "quant.xml")),
         **sanitizers,
         "figures": figures, "goals": goals, "bench": bench,
     }
