@@ -247,6 +247,7 @@ class _RunHooks(TaskHooks):
         self.cfg, self.model, self.corpora, self.out, self.report = cfg, model, corpora, out, report
         self.history, self.device, self.tracker, self.progress, self.log = history, device, tracker, progress, log
         self.t0, self.first_step = time.time(), 0
+        self.final_4bit = None
 
     def stage(self, name, **extra):
         self.report["stages"][name] = {"seconds": round(time.time() - self.t0, 2),
@@ -276,6 +277,13 @@ class _RunHooks(TaskHooks):
 
     def checkpoint_fields(self):
         return {"base": self.base, "base_benchmarks": self.base_benchmarks}
+
+    def trained_in_4bit(self, step):
+        """The held-out losses of the model as it trained, before the exact frozen layers come back
+        (report.json's "final_4bit"): what the 4-bit rounding itself costs, beside the saved model's."""
+        started = time.time()
+        self.final_4bit = self.evaluate(step, " (frozen layers in 4 bits)")
+        self.t0 += time.time() - started  # not training time
 
     def trained(self, step):
         per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.max_length
@@ -351,6 +359,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         "gain_domain_delta": base["domain_loss"] - final["domain_loss"],
         "perplexity": {"base_general": math.exp(base["general_loss"]), "final_general": math.exp(final["general_loss"]),
                        "base_domain": math.exp(base["domain_loss"]), "final_domain": math.exp(final["domain_loss"])},
+        **({"final_4bit": hooks.final_4bit} if hooks.final_4bit else {}),
         "trainable_parameters": n_trainable, "trainable_fraction": report["stages"]["prepare"]["trainable_fraction"],
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
         **({"benchmarks": {"base": hooks.base_benchmarks, "final": final_benchmarks,
@@ -381,7 +390,11 @@ def markdown_report(report: Dict) -> str:
                f"{r['domain_loss']:.4f} | {math.exp(r['domain_loss']):.2f} |" for label, r in (("base", base),
                                                                                               ("final", final))),
              "", f"Forgetting (general Δloss): {report['forgetting_general_delta']:+.4f}; "
-             f"gain (domain −Δloss): {report['gain_domain_delta']:+.4f}.", "",
+             f"gain (domain −Δloss): {report['gain_domain_delta']:+.4f}."
+             + ("" if "final_4bit" not in report else
+                f" The model as it trained, its frozen layers still in 4 bits (--frozen-dtype nf4): general loss "
+                f"{report['final_4bit']['general_loss']:.4f}, domain loss {report['final_4bit']['domain_loss']:.4f}; "
+                "the saved model (the table's final row) has the exact layers back."), "",
              f"Trainable parameters: {report['trainable_parameters'] / 1e6:.2f}M ({report['trainable_fraction']:.1%}): "
              f"{report['summary']}. Layer numbers are those of the model before expansion unless said otherwise.", "",
              "| stage | seconds | peak memory MB |", "|---|---|---|"]

@@ -106,6 +106,8 @@ def test_a_run_holds_frozen_layers_in_four_bits_and_saves_exact_weights(workspac
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL)
     mid = [e for e in reports["nf4"]["history"]["eval"] if 0 < e["step"] < 4]
     assert mid and all(e["general_loss"] == e["general_loss"] for e in mid)  # evaluated while held: not NaN
+    held_final, final = reports["nf4"]["final_4bit"], reports["nf4"]["final"]  # as trained, and as saved
+    assert held_final.keys() == final.keys() and held_final != final and "final_4bit" not in reports["float32"]
     saved = AutoModelForCausalLM.from_pretrained(workspace / f"nf4-{method}-nf4" / "model")  # plain HF reload
     assert not any(type(m).__name__ == "Linear4bit" for m in saved.modules())
     weights = saved.state_dict()

@@ -123,6 +123,10 @@ class TaskHooks:
         """The runner's own entries of an in-task checkpoint."""
         return {}
 
+    def trained_in_4bit(self, step: int):
+        """After the last step with --frozen-dtype nf4, on the model as trained, its frozen layers still
+        in 4 bits (then `trained`, on the exact layers)."""
+
     def trained(self, step: int):
         """After the last step, on the model as trained (sharded under FSDP2), before finish."""
 
@@ -280,6 +284,8 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
             check_memory(cfg, model, bf16, n_trainable, shards)
         train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
                     progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
+        if nf4:
+            hooks.trained_in_4bit(step)
     except KeyboardInterrupt:
         if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
             log(f"interrupted in {desc} at step {step}: continue from the last checkpoint in {out} with --resume")
