@@ -11,15 +11,26 @@ read by the forward and backward passes. What trains, the norms, the embeddings 
 not touched here (`training.device.cast_frozen` holds them). Linear layers are the whole of it:
 a mixture of experts' fused expert tensors stay as they are.
 """
+import importlib.util
 from typing import Dict, List, Tuple
 
 import torch
 
 from .errors import RunError
 from .models import adapter
+from .optim import BNB_INSTALL, BNB_MODULE
 
 QUANT_TYPE, BLOCKSIZE = "nf4", 64
 _HELD = "_adept_nf4_originals"  # model.__dict__ entry: {module name: the exact nn.Linear}, not a submodule
+
+
+MISSING = f"--frozen-dtype nf4 needs bitsandbytes, which is not installed: {BNB_INSTALL}"
+
+
+def check_installed():
+    """RunError where bitsandbytes is not installed, found without importing it (the options' check)."""
+    if importlib.util.find_spec(BNB_MODULE) is None:
+        raise RunError(MISSING)
 
 
 def bitsandbytes():
@@ -27,7 +38,7 @@ def bitsandbytes():
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        raise RunError("--frozen-dtype nf4 needs bitsandbytes: pip install 'adept-ext[quantization]'") from e
+        raise RunError(MISSING) from e
     return bnb
 
 

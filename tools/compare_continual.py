@@ -37,7 +37,7 @@ from adept_ext.continual import ContinualConfig, config_from, run
 from adept_ext.data.tasks import SEQUENCES
 from adept_ext.errors import RunError
 from adept_ext.methods import method_names
-from adept_ext.training import BenchmarkOptions, as_recorded_today, result_options
+from adept_ext.training import BenchmarkOptions, as_recorded_today, result_options, typed_options
 
 METRICS = ("AA", "BWT", "FWT", "general_forgetting", "plasticity")
 BENCHMARK_OPTIONS = {f.name for f in fields(BenchmarkOptions)} | {"benchmarks_every"}
@@ -82,16 +82,12 @@ def task_names(spec: str) -> List[str]:
 
 def run_options(args, row, seed, extra) -> Dict:
     """The options of `adept-ext continual` for `row` on `seed` (`config_from`'s input)."""
-    defaults = ContinualConfig()
     options = dict(method=row["method"], tasks=args.tasks, steps=args.steps, lr=args.lr, seed=seed,
                    eval_blocks=args.eval_blocks, warmup_steps=max(1, args.steps // 10), save_every=0,
                    out=str(run_dir(args, row, seed, extra)), overwrite=True)
     if args.benchmarks:
         options.update(benchmarks=args.benchmarks, limit=args.limit, benchmarks_every=0)
-    for key, value in {**extra, **row["options"]}.items():
-        kind = type(getattr(defaults, key))
-        options[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
-    return options
+    return {**options, **typed_options(ContinualConfig(), {**extra, **row["options"]})}
 
 
 @functools.lru_cache(maxsize=None)

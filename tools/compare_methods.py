@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from adept_ext.train import METHODS, RunConfig, config_from, run
-from adept_ext.training import as_recorded_today, result_options
+from adept_ext.training import as_recorded_today, result_options, typed_options
 
 
 def main(argv=None):
@@ -68,11 +68,7 @@ def run_options(method: str, steps: int, lr: float, seed: int, k: int, extra: Di
     option's type."""
     options = dict(method=method, steps=steps, lr=lr, seed=seed, k=k, warmup_steps=max(1, steps // 10),
                    eval_every=0, save_every=0, out=str(out), overwrite=True)
-    defaults = RunConfig()
-    for key, value in extra.items():
-        kind = type(getattr(defaults, key))
-        options[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
-    return options
+    return {**options, **typed_options(RunConfig(), extra)}
 
 
 @functools.lru_cache(maxsize=None)

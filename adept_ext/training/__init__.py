@@ -7,7 +7,7 @@ from .device import check_memory, device_for, frozen_dtype_for, peak_memory_mb, 
 from .loop import TaskHooks, evaluate, fit_task, optimizer_for, schedule, train_steps
 from .options import (BenchmarkOptions, TrainOptions, as_recorded_today, check_benchmark_options, check_types,
                       data_workers,
-                      options_from, result_options, with_method_options)
+                      options_from, result_options, typed_options, with_method_options)
 from .rundir import CHECKPOINT, atomic_dir, atomic_write, check_out, prepare_out, saved_options
 from .tracking import Tracker, backends_of
 
@@ -18,4 +18,5 @@ __all__ = ["BenchmarkOptions", "CHECKPOINT", "SHARDS", "TaskHooks", "Tracker", "
            "frozen_dtype_for", "load_training_state", "optimizer_for", "options_from", "peak_memory_mb", "prepare_out",
            "read_checkpoint", "remove_stale_shards", "result_options", "rng_state", "save_sharded_state",
            "saved_options", "schedule",
-           "set_rng_state", "shard", "train_steps", "training_state", "use_bf16", "with_method_options"]
+           "set_rng_state", "shard", "train_steps", "training_state", "typed_options", "use_bf16",
+           "with_method_options"]

@@ -171,6 +171,16 @@ def result_options(cfg) -> Dict:
             and (f.metadata.get("methods") is None or cfg.method in f.metadata["methods"].defaults)}
 
 
+def typed_options(defaults, texts: Dict[str, str]) -> Dict:
+    """Options given as text (`OPTION=VALUE`, as the comparison tools' `--set` gives them) converted to
+    the type of each option's value in `defaults` (a runner's config); a bool reads 1, true, yes, on."""
+    typed = {}
+    for key, value in texts.items():
+        kind = type(getattr(defaults, key))
+        typed[key] = value.lower() in ("1", "true", "yes", "on") if kind is bool else kind(value)
+    return typed
+
+
 def as_recorded_today(recorded: Dict, defaults: Dict) -> Dict:
     """A run's recorded `result_options` read with today's options (`defaults`: `result_options` of
     a default config of the same runner and method): an option it lacks, added after it ran, at its
@@ -273,7 +283,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
             raise RunError(f"--frozen-dtype nf4 with {'--parallel fsdp2' if cfg.parallel == 'fsdp2' else '--compile'} "
                            "is not supported (bitsandbytes' 4-bit weights are neither sharded by FSDP2 nor traced "
                            "by torch.compile here); use --parallel ddp without --compile")
-        quantize.bitsandbytes()  # RunError where it is not installed
+        quantize.check_installed()
     if cfg.parallel not in parallel.ENGINES:
         raise RunError(f"parallel must be one of {', '.join(parallel.ENGINES)}, got {cfg.parallel!r}")
     if cfg.parallel == "fsdp2" and parallel.launched_world() < 2:
