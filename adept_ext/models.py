@@ -362,11 +362,24 @@ def check_attention(attn_implementation: str, device="cpu"):
                              f"{torch.device(device).type}")
 
 
-def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "auto"):
+def stored_dtype(config) -> Optional[torch.dtype]:
+    """The dtype a checkpoint's config.json says its weights are stored in (`dtype`, formerly
+    `torch_dtype`), None where it says none."""
+    stored = getattr(config, "dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else None
+
+
+def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "auto",
+               held_dtype: Optional[torch.dtype] = None):
     """(model, tokenizer) from a local checkpoint directory, an embedded model name or a Hub id
     `org/name` in the local Hugging Face cache, offline, with `attn_implementation` (transformers'
     name: sdpa, eager or flash_attention_2; auto, the default: what transformers picks for the
     model, `resolve_attention`; the model's `config._attn_implementation` says which ran).
+    The weights are built in `dtype`, or in `held_dtype` where the checkpoint stores them in it
+    (config.json's `dtype`; `stored_dtype`): a run that holds its frozen weights in bfloat16 then
+    never makes a float32 copy of a bfloat16 checkpoint, and loses nothing (docs/design.md, "Precision").
 
     Raises FileNotFoundError for an unknown name, a missing directory or a Hub id that is not
     cached, and InputError (a ValueError) for a config.json that cannot be read, a checkpoint that
@@ -398,6 +411,8 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     if backend not in family.attention:
         raise InputError(f"{config.model_type} runs with --attn-implementation {' or '.join(family.attention)} "
                          f"(or auto) in transformers, not {backend}")
+    if held_dtype is not None and stored_dtype(config) == held_dtype:
+        dtype = held_dtype
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=backend)
         tokenizer = AutoTokenizer.from_pretrained(path)
