@@ -225,7 +225,8 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             per_task.append({"task": task.name, "kind": task.kind, "layers": fit["task"].layers,
                              "summary": fit["task"].summary, "trainable_parameters": fit["trainable"],
                              "seconds": round(time.time() - t0, 1), "peak_memory_mb": round(peak_memory_mb(device)),
-                             "tokens_per_second": hooks.tokens_per_second, **extras})
+                             "tokens_per_second": hooks.tokens_per_second,
+                             "memory_estimate_mb": fit["memory_estimate_mb"]["total"], **extras})
             track_scores(tracker, tasks, rows, (t + 1) * cfg.steps)
             history.append(task_history["train"])
             log(f"after {task.name}: scores {[round(s, 4) for s in rows[-1]['scores']]}, "

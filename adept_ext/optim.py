@@ -43,12 +43,22 @@ MIN_8BIT_SIZE = 4096
 BLOCK = 256  # elements per float32 scale of bitsandbytes' blockwise 8-bit moments
 
 
+STEP_SLICE_NUMEL = 2**25  # elements GroupedAdamW updates in one multi-tensor pass: its temporary √v, 128 MiB
+
+
 def moment_bytes(name: str) -> float:
     """Bytes of optimizer state per trainable parameter of a large tensor under `name`: two float32
     moments (8), or two uint8 moments and their two float32 scales per `BLOCK` (2 + 8/256), not
     counting bitsandbytes' two 256-entry maps (2 KiB per device) nor the float32 moments of tensors
     under `MIN_8BIT_SIZE` and of the embedding weights (`make_optimizer`'s `keep_float32`)."""
     return 8.0 if name == "adamw_torch" else 2 + 2 * 4 / BLOCK
+
+
+def step_bytes(name: str, trainable: int) -> int:
+    """Bytes an optimizer step of `trainable` parameters allocates beside its state: GroupedAdamW's
+    temporary √v, one slice of `STEP_SLICE_NUMEL` elements in float32 at most (a single larger tensor
+    is a slice of its own); nothing for bitsandbytes' 8-bit update, fused in one kernel per tensor."""
+    return 4 * min(trainable, STEP_SLICE_NUMEL) if name == "adamw_torch" else 0
 
 
 def check_optimizer(name: str, sharded: bool = False):
@@ -159,9 +169,22 @@ class GroupedAdamW(torch.optim.AdamW):
             grouped = group_tensors_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs, steps],
                                                         with_indices=True)
             for (p, g, m, v, t), indices in grouped.values():
-                _adamw_foreach(p, g, m, v, t, [lrs[i] for i in indices], [decays[i] for i in indices],
-                               beta1, beta2, eps)
+                rates, decay = [lrs[i] for i in indices], [decays[i] for i in indices]
+                for part in _slices(p, STEP_SLICE_NUMEL):  # the update's temporary √v: one slice's size
+                    _adamw_foreach(p[part], g[part], m[part], v[part], t[part], rates[part], decay[part],
+                                   beta1, beta2, eps)
         return loss
+
+
+def _slices(tensors: List[torch.Tensor], numel: int) -> List[slice]:
+    """Consecutive slices of `tensors` of at most `numel` elements each (a larger tensor alone)."""
+    parts, start, size = [], 0, 0
+    for i, t in enumerate(tensors):
+        if size and size + t.numel() > numel:
+            parts.append(slice(start, i))
+            start, size = i, 0
+        size += t.numel()
+    return parts + [slice(start, len(tensors))] if tensors else parts
 
 
 def _check_group(group, i: int, first, params_known: bool = True):

@@ -362,6 +362,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
                        "base_domain": math.exp(base["domain_loss"]), "final_domain": math.exp(final["domain_loss"])},
         **({"final_4bit": hooks.final_4bit} if hooks.final_4bit else {}),
         "trainable_parameters": n_trainable, "trainable_fraction": report["stages"]["prepare"]["trainable_fraction"],
+        "memory_estimate_mb": fit["memory_estimate_mb"],
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
         **({"benchmarks": {"base": hooks.base_benchmarks, "final": final_benchmarks,
                            "difference": harness.compare(hooks.base_benchmarks, final_benchmarks)}}
@@ -400,6 +401,11 @@ def markdown_report(report: Dict) -> str:
              f"{report['summary']}. Layer numbers are those of the model before expansion unless said otherwise.", "",
              "| stage | seconds | peak memory MB |", "|---|---|---|"]
     lines += [f"| {name} | {s['seconds']} | {s['peak_memory_mb']} |" for name, s in report["stages"].items()]
+    estimate = report["memory_estimate_mb"]
+    lines += ["", f"The memory check's estimate for the steps: {estimate['total']} MB (weights {estimate['weights']}, "
+                  f"optimizer {estimate['optimizer']}, activations {estimate['activations']}); the measured peak "
+                  "is the process's resident set on the CPU (Python and its libraries included), allocated memory "
+                  "on a GPU."]
     if "unit_rates" in report:
         lines += ["", f"Per-unit learning-rate multipliers (mean {report['unit_rates']['mean_multiplier']:.3f}, "
                       f"{report['unit_rates']['recomputes']} recomputes): see `unit_rates.png`."]

@@ -408,7 +408,7 @@ def test_report_to_tensorboard_writes_scores_and_running_metrics(workspace):
                                         for t, g in enumerate(report["general_loss"])]
     assert got["continual/AA"][-1] == (2 * steps, pytest.approx(report["metrics"]["AA"], rel=1e-6))
     assert got["continual/BWT"] == [(2 * steps, pytest.approx(report["metrics"]["BWT"], rel=1e-6))]
-    assert all(p["tokens_per_second"] > 0 for p in report["per_task"])
+    assert all(p["tokens_per_second"] > 0 and p["memory_estimate_mb"] > 0 for p in report["per_task"])
 
 
 def test_mix_general_puts_general_training_blocks_into_every_task(workspace, monkeypatch):

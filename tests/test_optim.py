@@ -62,6 +62,20 @@ def test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, foreach, d
     assert ours.param_groups[2]["params"][0] not in ours.state  # never had a gradient: untouched, like AdamW
 
 
+def test_updated_in_slices_of_bounded_size_still_bit_identical(monkeypatch):
+    """The step's temporary √v covers one slice of the tensors at a time (`STEP_SLICE_NUMEL`)."""
+    import adept_ext.optim as optim
+
+    sizes = []
+    sqrt = torch._foreach_sqrt
+    monkeypatch.setattr(torch, "_foreach_sqrt", lambda ts: sizes.append(sum(t.numel() for t in ts)) or sqrt(ts))
+    monkeypatch.setattr(optim, "STEP_SLICE_NUMEL", 40)
+    test_bit_identical_to_torch_adamw_over_steps_and_schedules(torch.float32, True)
+    # 7 + 15 + 0 together, then (33, 2) and (4, 4, 3) alone, and the bfloat16 tensor
+    assert sorted(set(sizes)) == [9, 22, 48, 66]
+    assert optim._slices([], 40) == []
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_bit_identical_to_torch_adamw_on_cuda(dtype):

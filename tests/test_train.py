@@ -41,6 +41,9 @@ def test_every_method_runs_and_saves_a_plain_hf_model(workspace, monkeypatch, me
     assert (out / "report.json").stat().st_mode & 0o044 and (out / "model").stat().st_mode & 0o055  # umask 022
     saved = json.loads((out / "report.json").read_text())
     assert saved["method"] == method and 0 < saved["trainable_fraction"] <= 1
+    estimate = saved["memory_estimate_mb"]  # the check's estimate for what trained: 12 + 4 bytes a parameter
+    assert estimate["optimizer"] == round(16 * saved["trainable_parameters"] / 2**20) and estimate["total"] > 0
+    assert f"estimate for the steps: {estimate['total']} MB" in (out / "report.md").read_text()
     assert saved["final"]["domain_loss"] < saved["base"]["domain_loss"], "the held-out domain loss did not fall"
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     base = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
@@ -617,6 +620,9 @@ def test_memory_estimate_counts_only_what_trains(workspace):
     fp32 = estimate("activations", cfg=huge, model=model)
     assert estimate("activations", cfg=huge, model=model, bf16=True) == pytest.approx(fp32 / 2, rel=1e-2)
     assert "lower --batch-size" in str(pytest.raises(RunError, check_memory, huge, model).value)
+    fits = check_memory(cfg, model, trainable=1000)
+    # 12 bytes a trainable parameter (gradient and two moments), and the step's temporary √v: 4
+    assert fits["total"] == fits["weights"] + fits["optimizer"] + fits["activations"] and fits["optimizer"] == 16000
     whole = estimate("optimizer", cfg=cfg, model=model, trainable=10**12)  # 12 bytes per trainable parameter
     assert whole == pytest.approx(10**12 * 12 / 2**30, rel=1e-2)
     assert estimate("optimizer", cfg=cfg, model=model, trainable=10**12, shards=4) == pytest.approx(whole / 4, rel=1e-2)

@@ -12,6 +12,7 @@ with the page cache until they move to the device or are cast).
     python tools/load_memory.py [--dir /tmp/load-memory] [--shard-size 1GB]
 """
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -26,6 +27,26 @@ def rss(kind: str = "RssAnon") -> int:
     """This process's resident memory of `kind` (RssAnon, RssFile) in bytes."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(kind + ":")) * 1024
+
+
+@contextlib.contextmanager
+def sampled_peak():
+    """Yields [peak]: the largest `rss()` seen while the block ran, sampled every 5 ms (set at its end)."""
+    peak, done = [rss()], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        sampler.join()
+        peak[0] = max(peak[0], rss())
 
 
 def save_model(path: Path, shard_size: str):
@@ -47,21 +68,12 @@ def measure(path: Path, held: str):
 
     from adept_ext.models import load_model
 
-    before, before_file, peak, done = rss(), rss("RssFile"), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    model = load_model(path, held_dtype=getattr(torch, held))[0]
-    done.set()
-    sampler.join()
+    before, before_file = rss(), rss("RssFile")
+    with sampled_peak() as peak:
+        model = load_model(path, held_dtype=getattr(torch, held))[0]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     shard = max(f.stat().st_size for f in path.glob("*.safetensors"))
-    growth = max(peak[0], rss()) - before
+    growth = peak[0] - before
     print(json.dumps({"held_dtype": held, "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                       "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
                       "weights_gib": round(weights / GIB, 3), "largest_shard_gib": round(shard / GIB, 3),

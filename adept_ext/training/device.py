@@ -5,7 +5,7 @@ from typing import Collection, Dict
 import torch
 
 from .. import parallel, quantize
-from ..optim import moment_bytes
+from ..optim import moment_bytes, step_bytes
 from ..errors import RunError
 from ..lm_loss import uses_fused_loss
 from ..ops import default_chunk_rows
@@ -78,8 +78,9 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     """Bytes a training step needs: the weights as held (frozen ones may be bfloat16, `cast_frozen`,
     or 4-bit with their quantisation constants, `quantize.hold_nf4`), the float32 gradient and the
     optimizer's two moments (`optim.moment_bytes`: float32, or 8-bit) of the `trainable` parameters
-    (divided among `shards` ranks under FSDP2), and one micro-batch's activations (halved under bf16 autocast; with
-    --gradient-checkpointing each layer's input and one layer's activations). The fused
+    (divided among `shards` ranks under FSDP2) and its step's temporary (`optim.step_bytes`), and
+    one micro-batch's activations (halved under bf16 autocast; with --gradient-checkpointing each
+    layer's input and one layer's activations). The fused
     loss holds one chunk of logits instead of the micro-batch's B×T×V (its size on `device`,
     default the run's)."""
     c = model.config
@@ -87,8 +88,8 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     # trainable embedding weights keep float32 moments under an 8-bit optimizer (as in HF's Trainer)
     embeddings = sum(m.weight.numel() for m in model.modules()
                      if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad)
-    optimizer = int(trainable * 4 + (trainable - embeddings) * moment_bytes(cfg.optim)
-                    + embeddings * moment_bytes("adamw_torch")) // shards
+    optimizer = (int(trainable * 4 + (trainable - embeddings) * moment_bytes(cfg.optim)
+                     + embeddings * moment_bytes("adamw_torch")) // shards + step_bytes(cfg.optim, trainable // shards))
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
     logits = 0 if fused else 8 * c.vocab_size
     layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)  # one decoder layer's saved activations
@@ -106,7 +107,8 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
 def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1):
     """Refuse a run that will not fit in the available memory (`memory_estimate`). Called before
     anything is written (trainable = 0: can the model run at all?) and again once the method has
-    chosen what trains and the frozen weights are held in their dtype. The estimate is in the message."""
+    chosen what trains and the frozen weights are held in their dtype. The estimate is in the message;
+    returned (bytes per part and "total") where it fits."""
     estimate = memory_estimate(cfg, model, bf16, trainable, shards)
     weights, optimizer, activations = estimate["weights"], estimate["optimizer"], estimate["activations"]
     need = weights + optimizer + activations
@@ -124,6 +126,7 @@ def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int
                        f"trainable parameters needs about {need / gib:.1f} GiB (weights {weights / gib:.1f}, optimizer "
                        f"{optimizer / gib:.1f}, activations {activations / gib:.1f}) but {available / gib:.1f} GiB "
                        f"are available: {advice}")
+    return {**estimate, "total": need}
 
 
 def peak_memory_mb(device) -> float:

@@ -227,7 +227,8 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     `cfg.save_every` steps an in-task checkpoint into `out`, `history` in it as "task_history";
     Ctrl-C saves one too when it can), unshard, and `task.finish` (plots into `artifacts`,
     entries into `report`). Returns {"model": the finished model, "task", "step", "trainable":
-    the trainable parameter count}."""
+    the trainable parameter count, "memory_estimate_mb": the memory check's estimate for the steps,
+    per part and in total}."""
     main = parallel.is_main()
     task = prepare(model, method, general_probe=general_probe, domain_probe=domain_probe, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, total_steps=cfg.steps, seed=cfg.seed, task_index=task_index,
@@ -243,7 +244,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
     shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
     if not nf4:  # nf4: once the layers are held, below
-        check_memory(cfg, model, bf16, n_trainable, shards)
+        estimate = check_memory(cfg, model, bf16, n_trainable, shards)
     hooks.prepared(task, n_trainable)
     if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
         activation_checkpointing(model, True)
@@ -282,7 +283,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         if nf4:  # after the optimizer's hooks: ADEPT scores its source layers there, on their exact weights
             held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
             log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
-            check_memory(cfg, model, bf16, n_trainable, shards)
+            estimate = check_memory(cfg, model, bf16, n_trainable, shards)
         train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
                     progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
         if nf4:
@@ -304,4 +305,5 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         activation_checkpointing(model, False)
     parallel.unshard_model(model)  # FSDP2: the whole weights on every rank again (a collective), for finish
     finished = task.finish(artifacts, report)
-    return {"model": finished, "task": task, "step": step, "trainable": n_trainable}
+    return {"model": finished, "task": task, "step": step, "trainable": n_trainable,
+            "memory_estimate_mb": {part: round(n / 2**20) for part, n in estimate.items()}}
