@@ -35,7 +35,7 @@ from .data.packing import packed_view
 from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
 from .data.truncation import report_entries
 from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
-                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, load_dtype, options_from,
+                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, options_from,
                        peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint, remove_stale_shards, rng_state,
                        set_rng_state, use_bf16, with_method_options)
 
@@ -144,8 +144,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
-        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation,
-                                      held_dtype=load_dtype(cfg, bf16, method))
+        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
         if cfg.packing:
             check_packing(model)

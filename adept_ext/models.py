@@ -362,6 +362,16 @@ def check_attention(attn_implementation: str, device="cpu"):
                              f"{torch.device(device).type}")
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _to_device(model, device, dtype: torch.dtype):
+    """Every parameter and buffer of `model` on `device`, the floating-point ones in `dtype`, one
+    tensor at a time (its 16-bit source freed as it goes: no second copy of the whole model)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = t.data.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+
 def stored_dtype(config) -> Optional[torch.dtype]:
     """The dtype a checkpoint's config.json says its weights are stored in (`dtype`, formerly
     `torch_dtype`), None where it says none."""
@@ -371,15 +381,14 @@ def stored_dtype(config) -> Optional[torch.dtype]:
     return stored if isinstance(stored, torch.dtype) else None
 
 
-def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "auto",
-               held_dtype: Optional[torch.dtype] = None):
+def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "auto"):
     """(model, tokenizer) from a local checkpoint directory, an embedded model name or a Hub id
     `org/name` in the local Hugging Face cache, offline, with `attn_implementation` (transformers'
     name: sdpa, eager or flash_attention_2; auto, the default: what transformers picks for the
     model, `resolve_attention`; the model's `config._attn_implementation` says which ran).
-    The weights are built in `dtype`, or in `held_dtype` where the checkpoint stores them in it
-    (config.json's `dtype`; `stored_dtype`): a run that holds its frozen weights in bfloat16 then
-    never makes a float32 copy of a bfloat16 checkpoint, and loses nothing (docs/design.md, "Precision").
+    A checkpoint stored in 16 bits (config.json's `dtype`, `stored_dtype`) is read as stored
+    (transformers maps its shards) and each tensor is made `dtype` on `device` one at a time
+    (`_to_device`), so the host never holds the model in float32 (docs/design.md, "Precision").
 
     Raises FileNotFoundError for an unknown name, a missing directory or a Hub id that is not
     cached, and InputError (a ValueError) for a config.json that cannot be read, a checkpoint that
@@ -411,15 +420,15 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     if backend not in family.attention:
         raise InputError(f"{config.model_type} runs with --attn-implementation {' or '.join(family.attention)} "
                          f"(or auto) in transformers, not {backend}")
-    if held_dtype is not None and stored_dtype(config) == held_dtype:
-        dtype = held_dtype
+    stored = stored_dtype(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=backend)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=backend,
+                                                     dtype=stored if stored in HALF_DTYPES else dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, SafetensorError) as e:  # missing or corrupt weights, no usable tokenizer
         raise InputError(f"{path} cannot be loaded as a Hugging Face causal LM with its tokenizer: "
                          f"{' '.join(str(e).split())[:300] or type(e).__name__}") from e
-    model = model.to(device)
+    _to_device(model, device, dtype)
     if str(name_or_dir) in EMBEDDED_MODELS:  # also for a cache converted before the name was set
         _name_embedded(model.config, str(name_or_dir))
     elif path != Path(name_or_dir):  # a Hub id: named as transformers names a model loaded by its id

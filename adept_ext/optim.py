@@ -27,7 +27,7 @@ It reads every group's lr and weight decay at each step and runs the optimizer's
 schedulers and ADEPT's per-unit rates (`lr.DecoupledLR`) apply as with AdamW (tested).
 """
 import importlib.util
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -43,7 +43,7 @@ MIN_8BIT_SIZE = 4096
 BLOCK = 256  # elements per float32 scale of bitsandbytes' blockwise 8-bit moments
 
 
-STEP_SLICE_NUMEL = 2**25  # elements GroupedAdamW updates in one multi-tensor pass: its temporary √v, 128 MiB
+STEP_SLICE_NUMEL = 2**25  # elements GroupedAdamW updates in one multi-tensor pass (`_passes`): its √v, 128 MiB
 
 
 def moment_bytes(name: str) -> float:
@@ -56,8 +56,9 @@ def moment_bytes(name: str) -> float:
 
 def step_bytes(name: str, trainable: int) -> int:
     """Bytes an optimizer step of `trainable` parameters allocates beside its state: GroupedAdamW's
-    temporary √v, one slice of `STEP_SLICE_NUMEL` elements in float32 at most (a single larger tensor
-    is a slice of its own); nothing for bitsandbytes' 8-bit update, fused in one kernel per tensor."""
+    temporary √v, one pass of at most `STEP_SLICE_NUMEL` elements in float32 (a larger tensor is cut
+    into passes; trainable parameters are contiguous); nothing for bitsandbytes' 8-bit update, fused
+    in one kernel per tensor."""
     return 4 * min(trainable, STEP_SLICE_NUMEL) if name == "adamw_torch" else 0
 
 
@@ -169,22 +170,38 @@ class GroupedAdamW(torch.optim.AdamW):
             grouped = group_tensors_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs, steps],
                                                         with_indices=True)
             for (p, g, m, v, t), indices in grouped.values():
+                counts = _count_steps(t)
                 rates, decay = [lrs[i] for i in indices], [decays[i] for i in indices]
-                for part in _slices(p, STEP_SLICE_NUMEL):  # the update's temporary √v: one slice's size
-                    _adamw_foreach(p[part], g[part], m[part], v[part], t[part], rates[part], decay[part],
-                                   beta1, beta2, eps)
+                lists = (p, g, m, v)
+                whole = [not all(x[i].is_contiguous() for x in lists) for i in range(len(p))]
+                for pieces in _passes([x.numel() for x in p], STEP_SLICE_NUMEL, whole):  # its temporary √v: one pass
+                    _adamw_update(*(_cut(x, pieces) for x in lists), [rates[i] for i, _, _ in pieces],
+                                  [decay[i] for i, _, _ in pieces], [counts[i] for i, _, _ in pieces],
+                                  beta1, beta2, eps)
         return loss
 
 
-def _slices(tensors: List[torch.Tensor], numel: int) -> List[slice]:
-    """Consecutive slices of `tensors` of at most `numel` elements each (a larger tensor alone)."""
-    parts, start, size = [], 0, 0
-    for i, t in enumerate(tensors):
-        if size and size + t.numel() > numel:
-            parts.append(slice(start, i))
-            start, size = i, 0
-        size += t.numel()
-    return parts + [slice(start, len(tensors))] if tensors else parts
+def _passes(sizes: List[int], numel: int, whole: List[bool]) -> List[List[Tuple[int, int, int]]]:
+    """The multi-tensor passes of an update: lists of (tensor index, first element, end element) of
+    at most `numel` elements each, in order; a larger tensor is cut along its flat view into pieces
+    of `numel`, unless `whole[i]` (not contiguous: then it is a pass of its own)."""
+    passes, current, size = [], [], 0
+    for i, n in enumerate(sizes):
+        step = max(n, 1) if whole[i] else numel
+        for first in range(0, max(n, 1), step):
+            end = min(first + step, n)
+            if current and size + end - first > numel:
+                passes.append(current)
+                current, size = [], 0
+            current.append((i, first, end))
+            size += end - first
+    return passes + [current] if current else passes
+
+
+def _cut(tensors: List[torch.Tensor], pieces: List[Tuple[int, int, int]]) -> List[torch.Tensor]:
+    """The pieces (`_passes`) of `tensors`: a whole tensor, or a range of its flat view."""
+    return [tensors[i] if (first, end) == (0, tensors[i].numel()) else tensors[i].view(-1)[first:end]
+            for i, first, end in pieces]
 
 
 def _check_group(group, i: int, first, params_known: bool = True):
@@ -204,19 +221,24 @@ def _check_group(group, i: int, first, params_known: bool = True):
         raise ValueError(f"GroupedAdamW: param group {i} has complex parameters; use torch.optim.AdamW")
 
 
-def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, decays, beta1, beta2, eps):
-    """One AdamW step of tensors of one device and dtype, in torch.optim.AdamW's order of
-    operations (torch/optim/adam.py, `_multi_tensor_adam`), with per-tensor lr and decay."""
+def _count_steps(steps) -> List[float]:
+    """AdamW's step counters of one device's tensors, each one more (as AdamW adds it), as floats."""
     if steps[0].is_cpu:  # where AdamW keeps them: one CPU scalar for the whole list, as AdamW adds it
         torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
     else:
         torch._foreach_add_(steps, 1)
+    return [float(t) for t in steps]  # on the CPU (where AdamW keeps them): no device sync
+
+
+def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, lrs, decays, counts, beta1, beta2, eps):
+    """One AdamW update of tensors of one device and dtype (or pieces of them) at step `counts`, in
+    torch.optim.AdamW's order of operations (torch/optim/adam.py, `_multi_tensor_adam`), with
+    per-tensor lr and decay."""
     if any(d != 0 for d in decays):
         torch._foreach_mul_(params, [1 - lr * d for lr, d in zip(lrs, decays)])
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    counts = [float(t) for t in steps]  # on the CPU (where AdamW keeps them): no device sync
     step_sizes = [(lr / (1 - beta1 ** n)) * -1 for lr, n in zip(lrs, counts)]
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, [(1 - beta2 ** n) ** 0.5 for n in counts])

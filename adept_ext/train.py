@@ -41,7 +41,7 @@ from .lm_loss import check_packing, loss_path
 from .models import load_model
 from .report import plot_loss_curves
 from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
-                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, load_dtype, options_from,
+                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, options_from,
                        peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint, remove_stale_shards, use_bf16,
                        with_method_options)
 
@@ -305,8 +305,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
-        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation,
-                                      held_dtype=load_dtype(cfg, bf16, method))
+        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
         method.check(model)
         if cfg.packing:
             check_packing(model)

@@ -62,18 +62,29 @@ def test_bit_identical_to_torch_adamw_over_steps_and_schedules(dtype, foreach, d
     assert ours.param_groups[2]["params"][0] not in ours.state  # never had a gradient: untouched, like AdamW
 
 
-def test_updated_in_slices_of_bounded_size_still_bit_identical(monkeypatch):
-    """The step's temporary √v covers one slice of the tensors at a time (`STEP_SLICE_NUMEL`)."""
+def test_updated_in_passes_of_bounded_size_still_bit_identical(monkeypatch):
+    """The step's temporary √v covers one pass of at most `STEP_SLICE_NUMEL` elements: larger
+    tensors are cut along their flat view, a non-contiguous one stays whole."""
     import adept_ext.optim as optim
 
     sizes = []
-    sqrt = torch._foreach_sqrt
-    monkeypatch.setattr(torch, "_foreach_sqrt", lambda ts: sizes.append(sum(t.numel() for t in ts)) or sqrt(ts))
+    update = optim._adamw_update
+    monkeypatch.setattr(optim, "_adamw_update",
+                        lambda p, g, m, v, *a: sizes.append([x.numel() for x in v]) or update(p, g, m, v, *a))
     monkeypatch.setattr(optim, "STEP_SLICE_NUMEL", 40)
     test_bit_identical_to_torch_adamw_over_steps_and_schedules(torch.float32, True)
-    # 7 + 15 + 0 together, then (33, 2) and (4, 4, 3) alone, and the bfloat16 tensor
-    assert sorted(set(sizes)) == [9, 22, 48, 66]
-    assert optim._slices([], 40) == []
+    # 7 + 15 + 0, (33, 2) in 40 + 26, (4, 4, 3) in 40 + 8; the bfloat16 tensor in its own dtype
+    assert sorted(sizes[:6]) == [[7, 15, 0], [8], [9], [26], [40], [40]] and len(sizes) == 6 * 5
+    gen = torch.Generator().manual_seed(0)
+    transposed = torch.randn(50, 3, generator=gen).t()  # not contiguous: one pass of 150 elements
+    ours, ref = torch.nn.Parameter(transposed.clone().t().contiguous().t()), torch.nn.Parameter(transposed.clone())
+    assert not ours.is_contiguous()
+    optimizers = GroupedAdamW([ours], lr=1e-2), torch.optim.AdamW([ref], lr=1e-2, foreach=True)
+    for opt, p in zip(optimizers, (ours, ref)):
+        for step in range(3):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            opt.step()
+    assert sizes[-1] == [150] and torch.equal(ours, ref)
 
 
 @cuda_only

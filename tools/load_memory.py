@@ -1,15 +1,14 @@
 #!/usr/bin/env python
 """Host memory while a run loads its model (`models.load_model`): a random-weight Llama of about
-1.1B parameters is saved as bfloat16 safetensors in shards, then loaded in a fresh process, once as
-a run that holds its frozen weights in bfloat16 does (`held_dtype=torch.bfloat16`, as `--bf16` with
-`--frozen-dtype auto|bfloat16|nf4`) and once in float32 (what every run did before). A sampler
-thread reads the process's anonymous resident memory (`RssAnon` in /proc/self/status) every 5 ms;
-the growth is its peak minus what the process held before loading. Prints one JSON line per load,
-in GiB, with the weights as loaded, the largest shard, and the file-backed memory the loaded model
-still maps (`RssFile` growth: safetensors' pages that weights loaded in their stored dtype share
-with the page cache until they move to the device or are cast).
+1.1B parameters is saved as bfloat16 safetensors in shards, then loaded in a fresh process onto
+`--device` in float32, as every run loads it. A sampler thread reads the process's anonymous
+resident memory (`RssAnon` in /proc/self/status) every 5 ms; the growth is its peak minus what the
+process held before loading. On the CPU the host is the device and holds the float32 weights; on a
+GPU the host should hold little more than the tensor being converted (the shards are mapped, not
+read into anonymous memory). Prints one JSON line, in GiB, with the weights as loaded and the
+largest shard.
 
-    python tools/load_memory.py [--dir /tmp/load-memory] [--shard-size 1GB]
+    python tools/load_memory.py [--dir /tmp/load-memory] [--shard-size 1GB] [--device cpu|cuda]
 """
 import argparse
 import contextlib
@@ -63,38 +62,36 @@ def save_model(path: Path, shard_size: str):
     AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m")).save_pretrained(path)
 
 
-def measure(path: Path, held: str):
-    import torch
-
+def measure(path: Path, device: str):
     from adept_ext.models import load_model
 
     before, before_file = rss(), rss("RssFile")
     with sampled_peak() as peak:
-        model = load_model(path, held_dtype=getattr(torch, held))[0]
+        model = load_model(path, device=device)[0]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     shard = max(f.stat().st_size for f in path.glob("*.safetensors"))
     growth = peak[0] - before
-    print(json.dumps({"held_dtype": held, "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    print(json.dumps({"device": device, "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                       "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
                       "weights_gib": round(weights / GIB, 3), "largest_shard_gib": round(shard / GIB, 3),
-                      "rss_anon_growth_gib": round(growth / GIB, 3),
-                      "rss_file_after_gib": round((rss("RssFile") - before_file) / GIB, 3),
-                      "ratio_to_weights_plus_shard": round(growth / (weights + shard), 3)}))
+                      "host_rss_anon_growth_gib": round(growth / GIB, 3),
+                      "host_rss_file_after_gib": round((rss("RssFile") - before_file) / GIB, 3)}))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/load-memory", help="where the random model is saved (kept)")
     parser.add_argument("--shard-size", default="1GB", help="save_pretrained's max_shard_size")
-    parser.add_argument("--measure", choices=["bfloat16", "float32"], help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--device", default="cpu", help="where the model is loaded (cpu, cuda)")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     path = Path(args.dir)
     if args.measure:
-        return measure(path, args.measure)
+        return measure(path, args.device)
     if not (path / "config.json").exists():
         save_model(path, args.shard_size)
-    for held in ("bfloat16", "float32"):  # each in a fresh process: nothing freed earlier is counted
-        subprocess.run([sys.executable, __file__, "--dir", str(path), "--measure", held], check=True)
+    # in a fresh process: nothing the saving freed is counted
+    subprocess.run([sys.executable, __file__, "--dir", str(path), "--device", args.device, "--measure"], check=True)
 
 
 if __name__ == "__main__":

@@ -42,25 +42,6 @@ def frozen_dtype_for(cfg, bf16: bool) -> torch.dtype:
     return torch.bfloat16 if cfg.frozen_dtype in ("auto", "nf4") and bf16 and cfg.parallel != "fsdp2" else torch.float32
 
 
-def load_dtype(cfg, bf16: bool, method) -> torch.dtype:
-    """What a run asks `models.load_model` to keep a checkpoint stored in (its `held_dtype`): the
-    dtype the frozen weights will be held in (`frozen_dtype_for`), unless `method` trains every
-    weight (then float32 from the start: a bfloat16 model made float32 would briefly need both)."""
-    return torch.float32 if method.trains_every_weight else frozen_dtype_for(cfg, bf16)
-
-
-def train_in_float32(params) -> int:
-    """Make every parameter in `params` (what a method trains) float32, as the steps want their
-    master weights (a model loaded in bfloat16, `load_dtype`: exact, as every bfloat16 value is a
-    float32 one); returns how many changed."""
-    cast = 0
-    for p in params:
-        if p.is_floating_point() and p.dtype != torch.float32:
-            p.data = p.data.to(torch.float32)
-            cast += 1
-    return cast
-
-
 def cast_frozen(model, dtype: torch.dtype, keep: Collection[torch.nn.Parameter] = ()) -> int:
     """Hold every floating-point parameter of `model` that does not require grad, but those in
     `keep`, in `dtype` (the Parameter objects stay, their data is replaced); returns how many were cast."""

@@ -18,7 +18,7 @@ from ..methods.task import Task, prepare
 from ..ops.torch_internals import uncompile_module
 from ..optim import make_optimizer
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
-from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb, train_in_float32
+from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb
 from .loader import batch_loader
 from .rundir import CHECKPOINT, atomic_write
 
@@ -236,7 +236,6 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
                    layers=checkpoint["layers"] if checkpoint else None,
                    loss_implementation=cfg.loss_implementation, progress=progress, log=log)
     n_trainable = sum(p.numel() for p in task.trainable)
-    train_in_float32(task.trainable)  # a model loaded in bfloat16 (`load_dtype`): what trains in float32
     frozen = frozen_dtype_for(cfg, bf16)
     nf4 = cfg.frozen_dtype == "nf4"
     to_hold = [p for _, m in quantize.frozen_linears(model) for p in m.parameters()] if nf4 else []
