@@ -8,7 +8,7 @@ blocks' scales quantised too: about 0.52 bytes a weight), computing in `compute_
 layer moves to the host, and `release_nf4` puts it back, so what follows the steps (evaluation,
 merging, saving) sees the weights the task started from, bit for bit: the 4-bit copy is only ever
 read by the forward and backward passes. What trains, the norms, the embeddings and the LM head are
-not touched here (`training.device.cast_frozen` holds them). Linear layers are the whole of it:
+not touched here (`training.device.hold_frozen` holds them). Linear layers are the whole of it:
 a mixture of experts' fused expert tensors stay as they are.
 """
 import importlib.util
@@ -115,6 +115,12 @@ def held_bytes(model) -> int:
         if state is not None:
             total += sum(t.numel() * t.element_size() for t in _state_tensors(state))
     return total
+
+
+def exact_bytes(model) -> int:
+    """Bytes of the exact layers `hold_nf4` keeps on the host."""
+    return sum(p.numel() * p.element_size() for linear in model.__dict__.get(_HELD, {}).values()
+               for p in linear.parameters())
 
 
 def _state_tensors(state) -> List[torch.Tensor]:

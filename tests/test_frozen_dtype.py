@@ -1,6 +1,7 @@
 """--frozen-dtype: the weights that do not train held in bfloat16 during a task (trainable ones,
-their gradients and AdamW's moments in float32), float32 again for evaluation, merging and saving;
-the memory estimate counts what is held; refused where it cannot run."""
+their gradients and AdamW's moments in float32), exact float32 again for evaluation, merging and
+saving (kept on the host where the cast rounds); the memory estimate counts what is held; refused
+where it cannot run."""
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import adept_ext.training.loop as loop
 from adept_ext.cli import main
 from adept_ext.errors import RunError
-from adept_ext.training.device import cast_frozen, memory_estimate
+from adept_ext.training.device import exact_host_bytes, hold_frozen, memory_estimate, release_frozen
 from test_continual import options as continual_options
 from test_continual import quiet
 from test_continual import workspace as continual_workspace  # noqa: F401 (module-scoped fixture)
@@ -35,18 +36,27 @@ def held_dtypes(monkeypatch):
     return seen
 
 
-def test_cast_frozen_casts_only_what_does_not_train(workspace):  # noqa: F811
+def test_hold_frozen_holds_only_what_does_not_train_and_releases_it_exact(workspace):  # noqa: F811
     model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
     for name, p in model.named_parameters():
         p.requires_grad_("layers.1." in name)
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    norm = model.model.norm.weight
+    norm.data = norm.data.to(torch.bfloat16).float()  # a weight bfloat16 holds exactly: nothing kept for it
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     cfg = options(workspace, "estimate")
-    before = memory_estimate(cfg, model)["weights"]
-    assert cast_frozen(model, torch.bfloat16) == sum(1 for p in model.parameters() if not p.requires_grad)
+    estimate = memory_estimate(cfg, model, device=torch.device("cuda"))["weights"]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert hold_frozen(model, torch.bfloat16) == len(frozen)
     assert all(p.dtype == (torch.float32 if n in trainable else torch.bfloat16) for n, p in model.named_parameters())
-    frozen_numel = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    assert memory_estimate(cfg, model)["weights"] == before - 2 * frozen_numel  # counted as held
-    assert cast_frozen(model, torch.float32) > 0 and all(p.dtype == torch.float32 for p in model.parameters())
+    frozen_numel = sum(p.numel() for p in frozen)
+    assert memory_estimate(cfg, model, device=torch.device("cuda"))["weights"] == estimate - 2 * frozen_numel
+    assert exact_host_bytes(model) == 4 * (frozen_numel - norm.numel())  # the rounded ones' exact values
+    on_cpu = memory_estimate(cfg, model, device=torch.device("cpu"))["weights"]
+    assert on_cpu == estimate - 2 * frozen_numel + exact_host_bytes(model)  # there, the same memory
+    assert release_frozen(model) == len(frozen) and exact_host_bytes(model) == 0
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[name]), name
 
 
 def test_the_estimate_with_checkpointing_keeps_each_layer_s_input_and_one_layer(workspace):  # noqa: F811
@@ -89,8 +99,13 @@ def test_frozen_weights_train_in_bfloat16_and_come_back_in_float32(workspace, me
     assert mid and all(e["general_loss"] == e["general_loss"] for e in mid)  # ran, not NaN
     saved = AutoModelForCausalLM.from_pretrained(workspace / f"frozen-{method}-bfloat16" / "model")
     assert all(p.dtype == torch.float32 for p in saved.parameters())
-    embed = base.get_input_embeddings().weight  # frozen in both methods: its bfloat16 rounding is what is saved
-    assert torch.equal(saved.get_input_embeddings().weight, embed.to(torch.bfloat16).float())
+    embed = base.get_input_embeddings().weight  # frozen in both methods, rounded while held: saved exact
+    assert not torch.equal(embed, embed.to(torch.bfloat16).float())
+    assert torch.equal(saved.get_input_embeddings().weight, embed)
+    assert torch.equal(saved.model.norm.weight, base.model.norm.weight)
+    if method == "lora":  # merged into the exact weights: every tensor LoRA does not adapt is the base's, bit for bit
+        kept = {n: p for n, p in saved.named_parameters() if "proj" not in n}
+        assert all(torch.equal(p, base.get_parameter(n)) for n, p in kept.items()) and len(kept) > 3
 
 
 def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_workspace, held_dtypes):  # noqa: F811
@@ -99,6 +114,10 @@ def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_worksp
     assert len(held_dtypes) == len(report["tasks"]) >= 2
     assert all(d == {"trainable": {torch.float32}, "frozen": {torch.bfloat16}} for d in held_dtypes)
     assert all(score == score for row in report["matrix"] for score in row)
+    base = AutoModelForCausalLM.from_pretrained(continual_workspace / "tiny")
+    saved = AutoModelForCausalLM.from_pretrained(continual_workspace / "frozen-seq" / "model")
+    kept = {n: p for n, p in saved.named_parameters() if "proj" not in n}  # what no task's adapter changes
+    assert all(torch.equal(p, base.get_parameter(n)) for n, p in kept.items()) and len(kept) > 3
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -64,7 +64,8 @@ def test_hold_and_release_are_exact_and_the_estimate_counts_four_bits(workspace)
         p.requires_grad_("layers.1." in name)  # layer 1 trains, the rest is frozen
     source = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = options(workspace, "estimate")
-    before = memory_estimate(cfg, model)["weights"]
+    gpu = torch.device("cuda")  # the estimate for a GPU: the exact layers on the host are not its memory
+    before = memory_estimate(cfg, model, device=gpu)["weights"]
     frozen = [name for name, _ in quantize.frozen_linears(model)]
     assert frozen and not any("layers.1." in n for n in frozen)
     ids = torch.randint(0, 200, (2, 12))
@@ -83,8 +84,10 @@ def test_hold_and_release_are_exact_and_the_estimate_counts_four_bits(workspace)
     quantized = model(ids).logits
     assert torch.isfinite(quantized).all() and not torch.equal(quantized, exact)
     linear_numel = sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features for n in frozen)
-    held = memory_estimate(cfg, model)["weights"]
+    held = memory_estimate(cfg, model, device=gpu)["weights"]
     assert held == before - linear_numel * 4 + linear_numel // 2 + quantize.held_bytes(model)
+    assert quantize.exact_bytes(model) == linear_numel * 4  # on the CPU, the same memory: counted there
+    assert memory_estimate(cfg, model, device=torch.device("cpu"))["weights"] == held + linear_numel * 4
     assert 0 < quantize.held_bytes(model) < linear_numel  # the constants: well under a byte a weight
     assert quantize.release_nf4(model) == len(frozen) and quantize.release_nf4(model) == 0
     assert all(type(model.get_submodule(n)) is torch.nn.Linear for n in frozen)
@@ -182,9 +185,9 @@ def test_a_sequence_killed_inside_a_task_resumes_to_the_uninterrupted_result(wor
 
 
 def test_under_bf16_the_held_layers_come_back_exact(workspace, held):
-    """bf16 autocast (the GPU's usual case, --bf16 on here): the frozen weights that are not held are
-    bfloat16 during the steps, the held layers are quantised from and restored to their float32 weights,
-    never rounded to bfloat16 on the way."""
+    """bf16 autocast (the GPU's usual case, --bf16 on here): the frozen weights that are not held in
+    4 bits are bfloat16 during the steps, the held layers are quantised from and restored to their
+    float32 weights, never rounded to bfloat16 on the way, and the others come back exact too."""
     source = AutoModelForCausalLM.from_pretrained(workspace / "tiny").state_dict()
     run(options(workspace, "nf4-bf16", method="adept", bf16="on", frozen_dtype="nf4"), progress=False, log=quiet)
     assert held[0]["frozen"] == {torch.uint8, torch.bfloat16}  # 4-bit layers; norms, embeddings in bfloat16
@@ -199,8 +202,9 @@ def test_under_bf16_the_held_layers_come_back_exact(workspace, held):
                 assert torch.equal(weights[key.replace(f".layers.{i}.", f".layers.{j}.")], value), key
                 checked += 1
     assert checked == 4 * len(projections)
-    embed = "model.embed_tokens.weight"  # not a linear layer: held as auto holds it, bfloat16
-    assert torch.equal(weights[embed], source[embed].to(torch.bfloat16).float())
+    embed = "model.embed_tokens.weight"  # not a linear layer: held as auto holds it, bfloat16, and saved exact
+    assert not torch.equal(source[embed], source[embed].to(torch.bfloat16).float())
+    assert torch.equal(weights[embed], source[embed])
 
 
 def test_a_failure_during_the_steps_leaves_no_four_bit_layer(workspace, monkeypatch):

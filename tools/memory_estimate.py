@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from adept_ext.expand import expand_layers
 from adept_ext.methods.lora import add_lora
 from adept_ext.quantize import frozen_linears, nf4_bytes
-from adept_ext.training.device import cast_frozen, memory_estimate
+from adept_ext.training.device import hold_frozen, memory_estimate, release_frozen
 
 SHAPES = {  # the published configs' shapes (no download)
     "llama-3.1-8b": lambda: LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -60,7 +60,8 @@ def main():
                                                               ("adamw_torch", "adamw_8bit")):
             if method == "full" and frozen == "nf4":
                 continue  # nothing is frozen
-            cast_frozen(model, torch.float32 if frozen == "float32" else torch.bfloat16)
+            release_frozen(model)
+            hold_frozen(model, torch.float32 if frozen == "float32" else torch.bfloat16)
             cfg = types.SimpleNamespace(batch_size=args.batch_size, max_length=args.max_length, optim=optim,
                                         loss_implementation="auto", gradient_checkpointing=checkpointing)
             estimate = memory_estimate(cfg, model, bf16=True, trainable=trainable, device=torch.device("cuda"))

@@ -42,22 +42,50 @@ def frozen_dtype_for(cfg, bf16: bool) -> torch.dtype:
     return torch.bfloat16 if cfg.frozen_dtype in ("auto", "nf4") and bf16 and cfg.parallel != "fsdp2" else torch.float32
 
 
-def cast_frozen(model, dtype: torch.dtype, keep: Collection[torch.nn.Parameter] = ()) -> int:
+_EXACT = "_adept_exact_frozen"  # model.__dict__ entry: [(parameter, its dtype, exact host tensor or None)]
+
+
+def hold_frozen(model, dtype: torch.dtype, keep: Collection[torch.nn.Parameter] = ()) -> int:
     """Hold every floating-point parameter of `model` that does not require grad, but those in
-    `keep`, in `dtype` (the Parameter objects stay, their data is replaced); returns how many were cast."""
+    `keep`, in `dtype` (the Parameter objects stay, their data is replaced) until `release_frozen`;
+    returns how many are held. Where the cast rounds (a float32 checkpoint's weights in bfloat16),
+    the exact value is kept on the host; a weight the cast keeps exactly (a checkpoint published in
+    bfloat16) keeps nothing. So evaluation, merging and saving after the steps see the weights the
+    task started from, bit for bit (docs/design.md, "Precision")."""
     kept = {id(p) for p in keep}
-    cast = 0
+    held = model.__dict__.setdefault(_EXACT, [])
     for p in model.parameters():
         if not p.requires_grad and p.is_floating_point() and p.dtype != dtype and id(p) not in kept:
-            p.data = p.data.to(dtype)
-            cast += 1
-    return cast
+            data = p.data.to(dtype)
+            lossless = p.is_meta or torch.equal(data.to(p.dtype), p.data)  # a meta tensor has no value to keep
+            exact = None if lossless else p.data.to("cpu")  # on the CPU: no copy
+            held.append((p, p.dtype, exact))
+            p.data = data
+    return len(held)
+
+
+def release_frozen(model) -> int:
+    """Every parameter `hold_frozen` held back in its dtype, exact (from the host where the cast
+    rounded); returns how many."""
+    held = model.__dict__.pop(_EXACT, [])
+    for p, dtype, exact in held:
+        p.data = p.data.to(dtype) if exact is None else exact.to(p.device)
+    return len(held)
+
+
+def exact_host_bytes(model) -> int:
+    """Bytes of the exact values kept on the host while weights are held (`hold_frozen`, and the
+    layers `quantize.hold_nf4` replaced): on the CPU, the same memory as the device's."""
+    rounded = sum(exact.numel() * exact.element_size() for _, _, exact in model.__dict__.get(_EXACT, [])
+                  if exact is not None)
+    return rounded + quantize.exact_bytes(model)
 
 
 def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1,
                     device=None) -> Dict[str, int]:
-    """Bytes a training step needs: the weights as held (frozen ones may be bfloat16, `cast_frozen`,
-    or 4-bit with their quantisation constants, `quantize.hold_nf4`), the float32 gradient and the
+    """Bytes a training step needs: the weights as held (frozen ones may be bfloat16, `hold_frozen`,
+    or 4-bit with their quantisation constants, `quantize.hold_nf4`; on the CPU also the exact
+    copies these keep on the host, `exact_host_bytes`), the float32 gradient and the
     optimizer's two moments (`optim.moment_bytes`: float32, or 8-bit) of the `trainable` parameters
     (divided among `shards` ranks under FSDP2) and its step's temporary (`optim.step_bytes`), and
     one micro-batch's activations (halved under bf16 autocast; with --gradient-checkpointing each
@@ -66,6 +94,8 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     default the run's)."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + quantize.held_bytes(model)
+    if (device or device_for(cfg)).type == "cpu":  # the exact copies of held weights share the CPU's memory
+        weights += exact_host_bytes(model)
     # trainable embedding weights keep float32 moments under an 8-bit optimizer (as in HF's Trainer)
     embeddings = sum(m.weight.numel() for m in model.modules()
                      if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad)

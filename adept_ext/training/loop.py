@@ -18,7 +18,7 @@ from ..methods.task import Task, prepare
 from ..ops.torch_internals import uncompile_module
 from ..optim import make_optimizer
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
-from .device import cast_frozen, check_memory, frozen_dtype_for, peak_memory_mb
+from .device import check_memory, frozen_dtype_for, hold_frozen, peak_memory_mb, release_frozen
 from .loader import batch_loader
 from .rundir import CHECKPOINT, atomic_write
 
@@ -239,7 +239,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     frozen = frozen_dtype_for(cfg, bf16)
     nf4 = cfg.frozen_dtype == "nf4"
     to_hold = [p for _, m in quantize.frozen_linears(model) for p in m.parameters()] if nf4 else []
-    if cast_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
+    if hold_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
         log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
     shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
     if not nf4:  # nf4: once the layers are held, below
@@ -294,11 +294,11 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
             save_checkpoint(step)
             log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
         raise
-    finally:  # the exact layers again (nf4), also when the steps fail: no 4-bit layer is left in the model
-        quantize.release_nf4(model)
+    finally:  # the exact weights again, also when the steps fail: evaluation, finish (merges, saving) and
+        quantize.release_nf4(model)  # the next task see those the task started from, in float32
+        release_frozen(model)
     if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
         compile_layers(model, False)
-    cast_frozen(model, torch.float32)  # evaluation, finish (merges, saving) and the next task in float32 again
     hooks.trained(step)
     if cfg.gradient_checkpointing:
         activation_checkpointing(model, False)
