@@ -60,6 +60,12 @@ def frozen_linears(model) -> List[Tuple[str, torch.nn.Linear]]:
     return found
 
 
+def frozen_linear_parameters(model) -> List[torch.nn.Parameter]:
+    """The parameters of `frozen_linears(model)`: what `hold_nf4` will hold (kept out of the bfloat16
+    cast before it, so that the 4 bits are quantised from the exact weights)."""
+    return [p for _, module in frozen_linears(model) for p in module.parameters()]
+
+
 def hold_nf4(model, compute_dtype: torch.dtype) -> int:
     """Replace the frozen linear layers of `model` (`frozen_linears`) by NF4 `Linear4bit`s on their
     device, the exact layers kept on the host for `release_nf4`; returns how many are held. On any

@@ -41,9 +41,9 @@ from .lm_loss import check_packing, loss_path
 from .models import load_model
 from .report import plot_loss_curves
 from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
-                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, options_from,
-                       peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint, remove_stale_shards, use_bf16,
-                       with_method_options)
+                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, held_as_frozen,
+                       options_from, peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint,
+                       remove_stale_shards, use_bf16, with_method_options)
 
 logger = logging.getLogger(__name__)
 METHODS = tuple(method_names(single_domain=True))
@@ -247,7 +247,7 @@ class _RunHooks(TaskHooks):
         self.cfg, self.model, self.corpora, self.out, self.report = cfg, model, corpora, out, report
         self.history, self.device, self.tracker, self.progress, self.log = history, device, tracker, progress, log
         self.t0, self.first_step = time.time(), 0
-        self.final_4bit = None
+        self.base_4bit = self.final_4bit = None
 
     def stage(self, name, **extra):
         self.report["stages"][name] = {"seconds": round(time.time() - self.t0, 2),
@@ -276,7 +276,7 @@ class _RunHooks(TaskHooks):
             self.history["eval"].append({"step": step, **self.evaluate(step)})
 
     def checkpoint_fields(self):
-        return {"base": self.base, "base_benchmarks": self.base_benchmarks}
+        return {"base": self.base, "base_4bit": self.base_4bit, "base_benchmarks": self.base_benchmarks}
 
     def trained_in_4bit(self, step):
         """The held-out losses of the model as it trained, before the exact frozen layers come back
@@ -330,6 +330,10 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         hooks = _RunHooks(cfg, model, corpora, out, report, history, device, tracker, progress, log)
         base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(0, " (base)")
         hooks.first_step = checkpoint["step"] if checkpoint else 0
+        hooks.base_4bit = checkpoint.get("base_4bit") if checkpoint else None
+        if cfg.frozen_dtype == "nf4" and hooks.base_4bit is None:  # the base as the steps will hold it
+            with held_as_frozen(model, cfg, bf16):
+                hooks.base_4bit = hooks.evaluate(0, " (base, frozen layers in 4 bits)")
         hooks.stage("base_eval", **base)
         log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
         hooks.base_benchmarks = checkpoint.get("base_benchmarks") if checkpoint else \
@@ -359,7 +363,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         "gain_domain_delta": base["domain_loss"] - final["domain_loss"],
         "perplexity": {"base_general": math.exp(base["general_loss"]), "final_general": math.exp(final["general_loss"]),
                        "base_domain": math.exp(base["domain_loss"]), "final_domain": math.exp(final["domain_loss"])},
-        **({"final_4bit": hooks.final_4bit} if hooks.final_4bit else {}),
+        **({"base_4bit": hooks.base_4bit, "final_4bit": hooks.final_4bit} if hooks.final_4bit else {}),
         "trainable_parameters": n_trainable, "trainable_fraction": report["stages"]["prepare"]["trainable_fraction"],
         "memory_estimate_mb": fit["memory_estimate_mb"],
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
@@ -394,8 +398,10 @@ def markdown_report(report: Dict) -> str:
              f"gain (domain −Δloss): {report['gain_domain_delta']:+.4f}."
              + ("" if "final_4bit" not in report else
                 f" The model as it trained, its frozen layers still in 4 bits (--frozen-dtype nf4): general loss "
-                f"{report['final_4bit']['general_loss']:.4f}, domain loss {report['final_4bit']['domain_loss']:.4f}; "
-                "the saved model (the table's final row) has the exact layers back."), "",
+                f"{report['final_4bit']['general_loss']:.4f}, domain loss {report['final_4bit']['domain_loss']:.4f}, "
+                f"from the base held the same way: general {report['base_4bit']['general_loss']:.4f}, domain "
+                f"{report['base_4bit']['domain_loss']:.4f}; the saved model (the table's final row) has the exact "
+                "layers back."), "",
              f"Trainable parameters: {report['trainable_parameters'] / 1e6:.2f}M ({report['trainable_fraction']:.1%}): "
              f"{report['summary']}. Layer numbers are those of the model before expansion unless said otherwise.", "",
              "| stage | seconds | peak memory MB |", "|---|---|---|"]

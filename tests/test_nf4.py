@@ -14,11 +14,11 @@ from adept_ext import quantize
 from adept_ext.cli import main
 from adept_ext.continual import run as run_continual
 from adept_ext.train import run
-from adept_ext.training.device import memory_estimate
+from adept_ext.training.device import held_as_frozen, memory_estimate
 from test_continual import kill_inside_the_second_task
 from test_continual import options as continual_options
 from test_continual import quiet
-from test_train import options
+from test_train import killed_and_resumed, options
 from tiny_models import tiny_model, write_sequence_workspace
 
 # Fixed before the runs: a step's loss with 4-bit frozen weights may differ from float32's by this
@@ -96,6 +96,30 @@ def test_hold_and_release_are_exact_and_the_estimate_counts_four_bits(workspace)
     assert torch.equal(model(ids).logits, exact)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_base_held_as_a_task_holds_it_then_exact_again(workspace, bf16):
+    model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    model.model.layers[0].mlp.requires_grad_(False)  # whatever trains or not, the base is held whole
+    trains = {n: p.requires_grad for n, p in model.named_parameters()}
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 200, (2, 12))
+    exact = model(ids).logits
+    cfg = options(workspace, "held-base", frozen_dtype="nf4", bf16="on" if bf16 else "off")
+    with held_as_frozen(model, cfg, bf16) as held:
+        linears = [m for layer in held.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(isinstance(m, bnb.nn.Linear4bit) for m in linears)
+        others = {p.dtype for p in held.parameters() if p.dtype != torch.uint8}
+        assert others == {torch.bfloat16 if bf16 else torch.float32}
+        assert not any(p.requires_grad for p in held.parameters())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            rounded = held(ids).logits
+        assert torch.isfinite(rounded).all() and not torch.allclose(rounded.float(), exact)
+    after = model.state_dict()
+    assert after.keys() == source.keys() and all(torch.equal(after[k], source[k]) for k in source)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == trains
+    assert torch.equal(model(ids).logits, exact)
+
+
 @pytest.mark.parametrize("method", ["lora", "adept"])
 def test_a_run_holds_frozen_layers_in_four_bits_and_saves_exact_weights(workspace, method, held):
     source = AutoModelForCausalLM.from_pretrained(workspace / "tiny").state_dict()
@@ -111,6 +135,10 @@ def test_a_run_holds_frozen_layers_in_four_bits_and_saves_exact_weights(workspac
     assert mid and all(e["general_loss"] == e["general_loss"] for e in mid)  # evaluated while held: not NaN
     held_final, final = reports["nf4"]["final_4bit"], reports["nf4"]["final"]  # as trained, and as saved
     assert held_final.keys() == final.keys() and held_final != final and "final_4bit" not in reports["float32"]
+    held_base = reports["nf4"]["base_4bit"]  # the base held as the steps hold it
+    assert held_base.keys() == final.keys() and held_base != reports["nf4"]["base"]
+    assert "base_4bit" not in reports["float32"]
+    assert "from the base held the same way" in (workspace / f"nf4-{method}-nf4" / "report.md").read_text()
     saved = AutoModelForCausalLM.from_pretrained(workspace / f"nf4-{method}-nf4" / "model")  # plain HF reload
     assert not any(type(m).__name__ == "Linear4bit" for m in saved.modules())
     weights = saved.state_dict()
@@ -182,6 +210,14 @@ def test_a_sequence_killed_inside_a_task_resumes_to_the_uninterrupted_result(wor
     assert sum(resumed["matrix"], []) == pytest.approx(sum(whole["matrix"], []), rel=1e-5)
     losses = lambda report: [entry["loss"] for task in report["history"] for entry in task]  # noqa: E731
     assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+
+
+def test_a_run_killed_inside_the_task_resumes_to_the_uninterrupted_result(workspace, monkeypatch):
+    full, resumed = killed_and_resumed(workspace, monkeypatch, "nf4-lora", method="lora", frozen_dtype="nf4")
+    for key in ("base", "base_4bit", "final_4bit", "final"):
+        assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
+    assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(
+        [h["loss"] for h in full["history"]["train"]], rel=1e-5)
 
 
 def test_under_bf16_the_held_layers_come_back_exact(workspace, held):

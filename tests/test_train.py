@@ -106,33 +106,36 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
     a loader worker) and with the frozen weights in bfloat16 (they are cast again when the task is
     prepared anew). With loader workers: tests/test_dataloader.py."""
     run_name = method + ("-streaming" if streaming else "") + "".join(f"-{k}" for k in extra)
-    full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, method=method,
-                       streaming=streaming, **extra),
-               progress=False, log=lambda *a: None)
-    import adept_ext.train as train_module
-
-    real_evaluate = train_module.evaluate
-    calls = {"n": 0}
-
-    def interrupting(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:  # base general, base domain, then the first mid-run evaluation (step 3)
-            raise KeyboardInterrupt
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "evaluate", interrupting)
-    with pytest.raises(KeyboardInterrupt):
-        run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming,
-                    **extra),
-            progress=False, log=lambda *a: None)
-    assert (workspace / f"killed-{run_name}" / "checkpoint.pt").exists()
-    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
-    resumed = run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, method=method, streaming=streaming,
-                          resume=True, **extra), progress=False, log=lambda *a: None)
+    full, resumed = killed_and_resumed(workspace, monkeypatch, run_name, method=method, streaming=streaming, **extra)
     assert resumed["final"]["domain_loss"] == pytest.approx(full["final"]["domain_loss"], rel=1e-5)
     assert resumed["final"]["general_loss"] == pytest.approx(full["final"]["general_loss"], rel=1e-5)
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(
         [h["loss"] for h in full["history"]["train"]], rel=1e-5)
+
+
+def killed_and_resumed(workspace, monkeypatch, run_name, **kw):
+    """The reports of a 6-step run, and of the same run killed (Ctrl-C) at its first evaluation inside
+    the task (step 3), after the in-task checkpoint, then resumed."""
+    full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, **kw),
+               progress=False, log=lambda *a: None)
+    import adept_ext.train as train_module
+
+    real_evaluate = train_module.evaluate
+
+    def interrupting(model, batches, device, desc, *args, **kwargs):
+        if desc == "eval general":  # the first evaluation inside the task: base evaluations are labelled
+            raise KeyboardInterrupt
+        return real_evaluate(model, batches, device, desc, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, **kw), progress=False,
+            log=lambda *a: None)
+    assert (workspace / f"killed-{run_name}" / "checkpoint.pt").exists()
+    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    resumed = run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, resume=True, **kw),
+                  progress=False, log=lambda *a: None)
+    return full, resumed
 
 
 def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys):

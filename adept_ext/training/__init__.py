@@ -3,7 +3,7 @@ device, precision and memory, the loop (`fit_task` with its `TaskHooks`), checkp
 shards, run directories. It composes the mechanisms and `methods`; nothing below imports it."""
 from .checkpoint import (SHARDS, load_training_state, read_checkpoint, remove_stale_shards, rng_state,
                          save_sharded_state, set_rng_state, shard, training_state)
-from .device import check_memory, device_for, frozen_dtype_for, peak_memory_mb, use_bf16
+from .device import check_memory, device_for, frozen_dtype_for, held_as_frozen, peak_memory_mb, use_bf16
 from .loop import TaskHooks, evaluate, fit_task, optimizer_for, schedule, train_steps
 from .options import (BenchmarkOptions, TrainOptions, as_recorded_today, check_benchmark_options, check_types,
                       data_workers,
@@ -15,7 +15,7 @@ __all__ = ["BenchmarkOptions", "CHECKPOINT", "SHARDS", "TaskHooks", "Tracker", "
            "atomic_dir",
            "atomic_write", "backends_of", "check_benchmark_options", "check_memory", "check_out", "check_types",
            "data_workers", "device_for", "evaluate", "fit_task",
-           "frozen_dtype_for", "load_training_state",
+           "frozen_dtype_for", "held_as_frozen", "load_training_state",
            "optimizer_for", "options_from", "peak_memory_mb", "prepare_out",
            "read_checkpoint", "remove_stale_shards", "result_options", "rng_state", "save_sharded_state",
            "saved_options", "schedule",

@@ -1,5 +1,6 @@
 """Where a run trains and in what precision, and whether it fits in memory."""
 import resource
+from contextlib import contextmanager
 from typing import Collection, Dict
 
 import torch
@@ -71,6 +72,28 @@ def release_frozen(model) -> int:
     for p, dtype, exact in held:
         p.data = p.data.to(dtype) if exact is None else exact.to(p.device)
     return len(held)
+
+
+@contextmanager
+def held_as_frozen(model, cfg, bf16: bool):
+    """The whole model held as a task holds the weights that do not train, as if none trained
+    (`hold_frozen` at `frozen_dtype_for`; with --frozen-dtype nf4 every linear layer of the decoder
+    in 4 bits, `quantize.hold_nf4`, quantised from its exact weights), exact again on exit: the base
+    model as the steps will see it."""
+    trains = [p.requires_grad for p in model.parameters()]
+    nf4 = cfg.frozen_dtype == "nf4"
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        hold_frozen(model, frozen_dtype_for(cfg, bf16), keep=quantize.frozen_linear_parameters(model) if nf4 else ())
+        if nf4:
+            quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
+        yield model
+    finally:
+        quantize.release_nf4(model)
+        release_frozen(model)
+        for p, grad in zip(model.parameters(), trains):
+            p.requires_grad_(grad)
 
 
 def exact_host_bytes(model) -> int:

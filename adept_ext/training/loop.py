@@ -238,7 +238,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     n_trainable = sum(p.numel() for p in task.trainable)
     frozen = frozen_dtype_for(cfg, bf16)
     nf4 = cfg.frozen_dtype == "nf4"
-    to_hold = [p for _, m in quantize.frozen_linears(model) for p in m.parameters()] if nf4 else []
+    to_hold = quantize.frozen_linear_parameters(model) if nf4 else []
     if hold_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
         log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
     shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
