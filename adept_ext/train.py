@@ -254,12 +254,13 @@ class _RunHooks(TaskHooks):
                                        "peak_memory_mb": round(peak_memory_mb(self.device)), **extra}
         self.t0 = time.time()
 
-    def evaluate(self, step: int, label=""):
+    def evaluate(self, step: int, label="", group="eval"):
+        """The held-out losses, sent to the tracker as `group`/general_loss and `group`/domain_loss."""
         c = self.corpora
         result = {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress,
                                  self.cfg.loss_implementation)
                   for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
-        self.tracker.log({f"eval/{name}": value for name, value in result.items()}, step)
+        self.tracker.log({f"{group}/{name}": value for name, value in result.items()}, step)
         return result
 
     def prepared(self, task, n_trainable):
@@ -282,7 +283,7 @@ class _RunHooks(TaskHooks):
         """The held-out losses of the model as it trained, before the exact frozen layers come back
         (report.json's "final_4bit"): what the 4-bit rounding itself costs, beside the saved model's."""
         started = time.time()
-        self.final_4bit = self.evaluate(step, " (frozen layers in 4 bits)")
+        self.final_4bit = self.evaluate(step, " (frozen layers in 4 bits)", group="eval_4bit")
         self.t0 += time.time() - started  # not training time
 
     def trained(self, step):
@@ -331,9 +332,9 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(0, " (base)")
         hooks.first_step = checkpoint["step"] if checkpoint else 0
         hooks.base_4bit = checkpoint.get("base_4bit") if checkpoint else None
-        if cfg.frozen_dtype == "nf4" and hooks.base_4bit is None:  # the base as the steps will hold it
+        if cfg.frozen_dtype == "nf4" and hooks.base_4bit is None:  # the base, every weight held as if frozen
             with held_as_frozen(model, cfg, bf16):
-                hooks.base_4bit = hooks.evaluate(0, " (base, frozen layers in 4 bits)")
+                hooks.base_4bit = hooks.evaluate(0, " (base, frozen layers in 4 bits)", group="eval_4bit")
         hooks.stage("base_eval", **base)
         log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
         hooks.base_benchmarks = checkpoint.get("base_benchmarks") if checkpoint else \

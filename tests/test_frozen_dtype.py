@@ -59,6 +59,21 @@ def test_hold_frozen_holds_only_what_does_not_train_and_releases_it_exact(worksp
         assert p.dtype == torch.float32 and torch.equal(p, before[name]), name
 
 
+def test_a_tied_embedding_and_head_are_held_once_and_come_back_tied():
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", tie=True)
+    model.requires_grad_(False)
+    embed = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embed
+    before = embed.detach().clone()
+    hold_frozen(model, torch.bfloat16)
+    assert model.get_output_embeddings().weight is embed and embed.dtype == torch.bfloat16
+    assert exact_host_bytes(model) == 4 * sum(p.numel() for p in model.parameters())  # each tensor once
+    release_frozen(model)
+    assert model.get_output_embeddings().weight is embed and torch.equal(embed, before)
+
+
 def test_the_estimate_with_checkpointing_keeps_each_layer_s_input_and_one_layer(workspace):  # noqa: F811
     model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
     c = model.config
@@ -106,6 +121,12 @@ def test_frozen_weights_train_in_bfloat16_and_come_back_in_float32(workspace, me
     if method == "lora":  # merged into the exact weights: every tensor LoRA does not adapt is the base's, bit for bit
         kept = {n: p for n, p in saved.named_parameters() if "proj" not in n}
         assert all(torch.equal(p, base.get_parameter(n)) for n, p in kept.items()) and len(kept) > 3
+    else:  # ADEPT's originals never train: every one of their tensors is the base's, bit for bit
+        copies = saved.config.adept["expanded_layers"]
+        originals = [j for j in range(saved.config.num_hidden_layers) if j not in copies]
+        for i, j in enumerate(originals):
+            for name, p in base.model.layers[i].named_parameters():
+                assert torch.equal(saved.model.layers[j].get_parameter(name), p), (j, name)
 
 
 def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_workspace, held_dtypes):  # noqa: F811

@@ -213,7 +213,9 @@ def test_a_sequence_killed_inside_a_task_resumes_to_the_uninterrupted_result(wor
 
 
 def test_a_run_killed_inside_the_task_resumes_to_the_uninterrupted_result(workspace, monkeypatch):
-    full, resumed = killed_and_resumed(workspace, monkeypatch, "nf4-lora", method="lora", frozen_dtype="nf4")
+    full, resumed, checkpoint = killed_and_resumed(workspace, monkeypatch, "nf4-lora", method="lora",
+                                                   frozen_dtype="nf4")
+    assert checkpoint["base_4bit"] == full["base_4bit"]  # kept, not evaluated again
     for key in ("base", "base_4bit", "final_4bit", "final"):
         assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from adept_ext.cli import main
 from adept_ext.errors import RunError
 from adept_ext.train import METHODS, config_from, run
+from adept_ext.training import read_checkpoint
 from tiny_models import write_run_workspace
 
 
@@ -106,7 +107,8 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
     a loader worker) and with the frozen weights in bfloat16 (they are cast again when the task is
     prepared anew). With loader workers: tests/test_dataloader.py."""
     run_name = method + ("-streaming" if streaming else "") + "".join(f"-{k}" for k in extra)
-    full, resumed = killed_and_resumed(workspace, monkeypatch, run_name, method=method, streaming=streaming, **extra)
+    full, resumed, _ = killed_and_resumed(workspace, monkeypatch, run_name, method=method, streaming=streaming,
+                                          **extra)
     assert resumed["final"]["domain_loss"] == pytest.approx(full["final"]["domain_loss"], rel=1e-5)
     assert resumed["final"]["general_loss"] == pytest.approx(full["final"]["general_loss"], rel=1e-5)
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(
@@ -114,8 +116,8 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
 
 
 def killed_and_resumed(workspace, monkeypatch, run_name, **kw):
-    """The reports of a 6-step run, and of the same run killed (Ctrl-C) at its first evaluation inside
-    the task (step 3), after the in-task checkpoint, then resumed."""
+    """The reports of a 6-step run and of the same run killed (Ctrl-C) at its first evaluation inside
+    the task (step 3), after the in-task checkpoint, then resumed; and that checkpoint."""
     full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, **kw),
                progress=False, log=lambda *a: None)
     import adept_ext.train as train_module
@@ -131,11 +133,11 @@ def killed_and_resumed(workspace, monkeypatch, run_name, **kw):
     with pytest.raises(KeyboardInterrupt):
         run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, **kw), progress=False,
             log=lambda *a: None)
-    assert (workspace / f"killed-{run_name}" / "checkpoint.pt").exists()
+    checkpoint = read_checkpoint(workspace / f"killed-{run_name}")
     monkeypatch.setattr(train_module, "evaluate", real_evaluate)
     resumed = run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, resume=True, **kw),
                   progress=False, log=lambda *a: None)
-    return full, resumed
+    return full, resumed, checkpoint
 
 
 def test_cli_run_with_toml_config_and_flag_override(workspace, tmp_path, capsys):

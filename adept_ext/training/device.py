@@ -149,9 +149,9 @@ def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int
     if device_for(cfg).type == "cuda":
         torch.cuda.empty_cache()  # what casting or holding the frozen weights freed, back to the driver first
         available = torch.cuda.mem_get_info()[0] + weights  # the weights are already on the device
-    else:
+    else:  # the weights (and the exact copies kept beside held ones) are resident already
         with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024
+            available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024 + weights
     if need > available:
         advice = ("lower --batch-size and raise --grad-accum" if activations > optimizer
                   else "train fewer parameters (a smaller --k, a LoRA method) or use a device with more memory")

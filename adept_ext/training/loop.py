@@ -241,61 +241,62 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     to_hold = quantize.frozen_linear_parameters(model) if nf4 else []
     if hold_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
         log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
-    shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
-    if not nf4:  # nf4: once the layers are held, below
-        estimate = check_memory(cfg, model, bf16, n_trainable, shards)
-    hooks.prepared(task, n_trainable)
-    if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
-        activation_checkpointing(model, True)
-    if cfg.compile:  # after checkpointing (it wraps the layers' calls) and before sharding, as torchtitan does
-        compile_layers(model, True)
-    if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
-        task.setup = shard(model, task.setup, bf16)
-        trained = model
-    else:
-        trained = parallel.wrap(model, device)
-    optimizer, scheduler = optimizer_for(task, cfg)
-    step = 0
-    if checkpoint:
-        load_training_state(checkpoint, model, method, optimizer, scheduler, out)
-        step = checkpoint["step"]
-        log(f"resumed {desc} at step {step}")
-
-    def save_checkpoint(done):
-        shards = save_sharded_state(out, done, model, optimizer)  # FSDP2: a collective
-        if not main:
-            return
-        state = {**hooks.checkpoint_fields(), "step": done, "layers": task.layers, "task_history": history,
-                 **shards, **training_state(model, method, optimizer, scheduler)}
-        atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
-        remove_stale_shards(out, shards.get("shards", ""))
-
-    def after_step(done):
-        nonlocal step
-        step = done
-        hooks.after_step(done)
-        if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
-            save_checkpoint(done)
-
-    model.train()
-    try:
-        if nf4:  # after the optimizer's hooks: ADEPT scores its source layers there, on their exact weights
-            held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
-            log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
+    try:  # from here on the weights are held: put back exact whatever fails, before the steps or in them
+        shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
+        if not nf4:  # nf4: once the layers are held, below
             estimate = check_memory(cfg, model, bf16, n_trainable, shards)
-        train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
-                    progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
-        if nf4:
-            hooks.trained_in_4bit(step)
-    except KeyboardInterrupt:
-        if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
-            log(f"interrupted in {desc} at step {step}: continue from the last checkpoint in {out} with --resume")
+        hooks.prepared(task, n_trainable)
+        if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
+            activation_checkpointing(model, True)
+        if cfg.compile:  # after checkpointing (it wraps the layers' calls) and before sharding, as torchtitan does
+            compile_layers(model, True)
+        if cfg.parallel == "fsdp2":  # options_from checked that torchrun started several processes
+            task.setup = shard(model, task.setup, bf16)
+            trained = model
         else:
-            save_checkpoint(step)
-            log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
-        raise
-    finally:  # the exact weights again, also when the steps fail: evaluation, finish (merges, saving) and
-        quantize.release_nf4(model)  # the next task see those the task started from, in float32
+            trained = parallel.wrap(model, device)
+        optimizer, scheduler = optimizer_for(task, cfg)
+        step = 0
+        if checkpoint:
+            load_training_state(checkpoint, model, method, optimizer, scheduler, out)
+            step = checkpoint["step"]
+            log(f"resumed {desc} at step {step}")
+
+        def save_checkpoint(done):
+            shards = save_sharded_state(out, done, model, optimizer)  # FSDP2: a collective
+            if not main:
+                return
+            state = {**hooks.checkpoint_fields(), "step": done, "layers": task.layers, "task_history": history,
+                     **shards, **training_state(model, method, optimizer, scheduler)}
+            atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+            remove_stale_shards(out, shards.get("shards", ""))
+
+        def after_step(done):
+            nonlocal step
+            step = done
+            hooks.after_step(done)
+            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+                save_checkpoint(done)
+
+        model.train()
+        try:
+            if nf4:  # after the optimizer's hooks: ADEPT scores its source layers there, on their exact weights
+                held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
+                log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
+                estimate = check_memory(cfg, model, bf16, n_trainable, shards)
+            train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
+                        progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
+            if nf4:
+                hooks.trained_in_4bit(step)
+        except KeyboardInterrupt:
+            if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
+                log(f"interrupted in {desc} at step {step}: continue from the last checkpoint in {out} with --resume")
+            else:
+                save_checkpoint(step)
+                log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
+            raise
+    finally:  # the exact weights again: evaluation, finish (merges, saving) and the next task see
+        quantize.release_nf4(model)  # those the task started from, in float32
         release_frozen(model)
     if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
         compile_layers(model, False)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from adept_ext.training.device import cast_frozen
+from adept_ext.training.device import hold_frozen
 from bench.common import measure_peak_mb, random_batches, random_model, row
 
 # size: (model shape, batch, sequence length, measured steps). small is the CPU goal's size.
@@ -129,7 +129,7 @@ def measure(config, size, device_name, setup_only=False, state=None):
     else:
         task = prepared_task(method, model, device, total)
     if bf16 and loop.startswith("adept_ext"):  # the runner's --frozen-dtype auto under bf16 autocast
-        cast_frozen(task.model, torch.bfloat16)
+        hold_frozen(task.model, torch.bfloat16)
     weights_mb = sum(p.numel() * p.element_size() for p in task.model.parameters()) / 2**20
     if loop.startswith("trainer"):
         run = functools.partial(trainer_steps, task, method, batch, device, bf16, total, checkpointing,
