@@ -74,6 +74,13 @@ def release_frozen(model) -> int:
     return len(held)
 
 
+def release_held(model):
+    """Everything held put back exact: the 4-bit layers (`quantize.release_nf4`), then the weights
+    `hold_frozen` held (in that order: a 4-bit layer's exact weights never passed through the cast)."""
+    quantize.release_nf4(model)
+    release_frozen(model)
+
+
 @contextmanager
 def held_as_frozen(model, cfg, bf16: bool):
     """The whole model held as a task holds the weights that do not train, as if none trained
@@ -90,8 +97,7 @@ def held_as_frozen(model, cfg, bf16: bool):
             quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
         yield model
     finally:
-        quantize.release_nf4(model)
-        release_frozen(model)
+        release_held(model)
         for p, grad in zip(model.parameters(), trains):
             p.requires_grad_(grad)
 
@@ -148,10 +154,11 @@ def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int
     need = weights + optimizer + activations
     if device_for(cfg).type == "cuda":
         torch.cuda.empty_cache()  # what casting or holding the frozen weights freed, back to the driver first
-        available = torch.cuda.mem_get_info()[0] + weights  # the weights are already on the device
-    else:  # the weights (and the exact copies kept beside held ones) are resident already
+        free = torch.cuda.mem_get_info()[0]
+    else:
         with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024 + weights
+            free = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024
+    available = free + weights  # the weights (on the CPU with the exact copies beside held ones) are there already
     if need > available:
         advice = ("lower --batch-size and raise --grad-accum" if activations > optimizer
                   else "train fewer parameters (a smaller --k, a LoRA method) or use a device with more memory")

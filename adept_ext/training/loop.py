@@ -18,7 +18,7 @@ from ..methods.task import Task, prepare
 from ..ops.torch_internals import uncompile_module
 from ..optim import make_optimizer
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
-from .device import check_memory, frozen_dtype_for, hold_frozen, peak_memory_mb, release_frozen
+from .device import check_memory, frozen_dtype_for, hold_frozen, peak_memory_mb, release_held
 from .loader import batch_loader
 from .rundir import CHECKPOINT, atomic_write
 
@@ -296,8 +296,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
                 log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
             raise
     finally:  # the exact weights again: evaluation, finish (merges, saving) and the next task see
-        quantize.release_nf4(model)  # those the task started from, in float32
-        release_frozen(model)
+        release_held(model)  # those the task started from, in float32
     if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
         compile_layers(model, False)
     hooks.trained(step)
