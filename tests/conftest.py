@@ -1,11 +1,16 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
-# Hugging Face datasets (file corpora) caches under a throw-away directory, not the user's cache.
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="adept-ext-test-datasets-"))
+# Hugging Face datasets (file corpora) caches under a throw-away directory, not the user's cache,
+# removed when the session ends (subprocesses inherit the variable and make none of their own).
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="adept-ext-test-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 
 import adept_ext
 
