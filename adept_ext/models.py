@@ -372,6 +372,42 @@ def _to_device(model, device, dtype: torch.dtype):
         t.data = t.data.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 
 
+def free_memory(device) -> int:
+    """Bytes free for new tensors on `device`: a GPU's free memory once the caching allocator has
+    given back what it holds unused, or the host's `MemAvailable` (/proc/meminfo) on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024
+
+
+def loaded_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of the model `config` describes once loaded with its floating-point tensors in `dtype`
+    (parameters, a tied weight once, and buffers; counted on a model built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+               for t in [*model.parameters(), *model.buffers()])
+
+
+def check_load_memory(path: Path, config, dtype: torch.dtype, device):
+    """InputError before a weight is read where `device` has less free memory (`free_memory`) than
+    the model takes loaded in `dtype` (`loaded_bytes`): every run loads it in float32 on its device
+    and holds the frozen weights in 16 or 4 bits only once a task has chosen what trains
+    (docs/design.md, "Precision")."""
+    need, free = loaded_bytes(config, dtype), free_memory(device)
+    if need > free:
+        gib = 2**30
+        raise InputError(f"{path}: the model takes {need / gib:.1f} GiB in {str(dtype).removeprefix('torch.')} but "
+                         f"{torch.device(device)} has {free / gib:.1f} GiB free: runs load the model in float32 and "
+                         "hold the frozen weights in 16 or 4 bits (--frozen-dtype) only once a task starts; "
+                         "use a device with more memory or a smaller model")
+
+
 def stored_dtype(config) -> Optional[torch.dtype]:
     """The dtype a checkpoint's config.json says its weights are stored in (`dtype`, formerly
     `torch_dtype`), None where it says none."""
@@ -392,8 +428,9 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
 
     Raises FileNotFoundError for an unknown name, a missing directory or a Hub id that is not
     cached, and InputError (a ValueError) for a config.json that cannot be read, a checkpoint that
-    needs trust_remote_code, a quantized checkpoint, an unsupported architecture or an attention backend that cannot run
-    (checked before the weights are read), and for weights or a tokenizer that cannot be loaded.
+    needs trust_remote_code, a quantized checkpoint, an unsupported architecture, an attention backend that cannot run
+    or a model larger than `device`'s free memory (`check_load_memory`; all checked before the weights are read),
+    and for weights or a tokenizer that cannot be loaded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -420,6 +457,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     if backend not in family.attention:
         raise InputError(f"{config.model_type} runs with --attn-implementation {' or '.join(family.attention)} "
                          f"(or auto) in transformers, not {backend}")
+    check_load_memory(path, config, dtype, device)
     stored = stored_dtype(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=backend,

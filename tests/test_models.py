@@ -179,3 +179,34 @@ def test_a_concurrent_conversion_of_the_embedded_model_is_not_an_error(tmp_path,
     monkeypatch.setattr(models.os, "replace", other_process_wins)
     assert models._embedded_checkpoint("smollm2-135m") == tmp_path / "smollm2-135m"
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m"]  # no temporary copy left behind
+
+
+def test_a_model_larger_than_the_free_memory_is_refused_before_its_weights_are_read(tmp_path, monkeypatch, capsys):
+    """`check_load_memory`: the bytes loaded in float32 (`loaded_bytes`, every parameter and
+    buffer of the saved model, a tied weight once) against the device's free memory; a model that
+    does not fit is refused in one line before transformers reads a weight, and `run` writes nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from adept_ext.cli import main
+
+    path = save_tiny("llama", tmp_path / "model")
+    saved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    need = sum(t.numel() * 4 for t in [*saved.parameters(), *saved.buffers()])
+    assert models.loaded_bytes(saved.config, torch.float32) == need
+    assert models.loaded_bytes(saved.config, torch.bfloat16) == need // 2
+    monkeypatch.setattr(models, "free_memory", lambda device: need)
+    assert load_model(path)[0].config.model_type == "llama"  # it just fits
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(models, "free_memory", lambda device: need - 1)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_read)
+    with pytest.raises(ValueError, match=r"the model takes 0\.0 GiB in float32 but cpu has 0\.0 GiB free: .*"
+                                         "use a device with more memory or a smaller model") as e:
+        load_model(path)
+    assert "\n" not in str(e.value)
+    out = tmp_path / "out"
+    assert main(["run", "--model", str(path), "--out", str(out), "--no-progress"]) == 2
+    assert "GiB free: runs load the model in float32" in capsys.readouterr().err
+    assert not out.exists()

@@ -9,6 +9,7 @@ from .. import parallel, quantize
 from ..optim import moment_bytes, step_bytes
 from ..errors import RunError
 from ..lm_loss import uses_fused_loss
+from ..models import free_memory
 from ..ops import default_chunk_rows
 
 
@@ -152,12 +153,7 @@ def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int
     estimate = memory_estimate(cfg, model, bf16, trainable, shards)
     weights, optimizer, activations = estimate["weights"], estimate["optimizer"], estimate["activations"]
     need = weights + optimizer + activations
-    if device_for(cfg).type == "cuda":
-        torch.cuda.empty_cache()  # what casting or holding the frozen weights freed, back to the driver first
-        free = torch.cuda.mem_get_info()[0]
-    else:
-        with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) * 1024
+    free = free_memory(device_for(cfg))  # on a GPU after what holding the frozen weights freed went back to the driver
     available = free + weights  # the weights (on the CPU with the exact copies beside held ones) are there already
     if need > available:
         advice = ("lower --batch-size and raise --grad-accum" if activations > optimizer
