@@ -13,6 +13,7 @@ model (a plain Hugging Face checkpoint). A kill between or inside tasks resumes 
 the same result: a checkpoint after every task (with the model as it was then) and every
 `save_every` steps inside one.
 """
+import gc
 import logging
 import json
 import random
@@ -178,7 +179,9 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         train_rows, mixed_rows = ([packed_view(b, cfg.max_length, data.pad_id(tokenizer), cfg.seed) for b in blocks],
                                   packed_view(general_mixed, cfg.max_length, data.pad_id(tokenizer), cfg.seed))
 
-    if checkpoint and checkpoint["completed"] > 0:
+    if checkpoint and checkpoint["completed"] > 0:  # the base model freed first: the load checks the free memory
+        model = None
+        gc.collect()
         model = load_model(out / RESUME_MODEL, device=device, attn_implementation=cfg.attn_implementation)[0]
     rows = checkpoint["rows"] if checkpoint else [evaluator.row(model, "base")]
     if not checkpoint:

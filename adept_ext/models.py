@@ -11,6 +11,7 @@ the hybrid linear-attention and Mamba models are refused by name (`REFUSED_ARCHI
 Hugging Face cache or the embedded default `smollm2-135m`, offline, with transformers' own code only
 (a checkpoint that needs `trust_remote_code` is refused).
 """
+import copy
 import importlib.util
 import json
 import logging
@@ -388,8 +389,8 @@ def loaded_bytes(config, dtype: torch.dtype) -> int:
     (parameters, a tied weight once, and buffers; counted on a model built on the meta device)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device("meta"):  # on a copy: from_config sets the config's dtype to `dtype`
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     return sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
                for t in [*model.parameters(), *model.buffers()])
 
@@ -457,8 +458,8 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     if backend not in family.attention:
         raise InputError(f"{config.model_type} runs with --attn-implementation {' or '.join(family.attention)} "
                          f"(or auto) in transformers, not {backend}")
-    check_load_memory(path, config, dtype, device)
     stored = stored_dtype(config)
+    check_load_memory(path, config, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=backend,
                                                      dtype=stored if stored in HALF_DTYPES else dtype)

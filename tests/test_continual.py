@@ -1,6 +1,7 @@
 """The task-sequence runner, its metrics and the continual methods on a tiny real model with the
 SmolLM2 tokenizer and real text."""
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -268,8 +269,20 @@ def kill_inside_the_second_task(monkeypatch, cfg):
 def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
     full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
     kill_inside_the_second_task(monkeypatch, options(workspace, f"killed-{method}", method=method, steps=4))
+    import adept_ext.continual as continual_module
+
+    loaded, real_load = [], continual_module.load_model
+
+    def load_model_once_the_last_is_freed(*args, **kwargs):  # its memory check counts the device's free memory
+        assert all(model() is None for model in loaded), "the base model is still alive"
+        model, tokenizer = real_load(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model, tokenizer
+
+    monkeypatch.setattr(continual_module, "load_model", load_model_once_the_last_is_freed)
     resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True),
                   progress=False, log=quiet)
+    assert len(loaded) == 2  # the base model (data, checks), then the model of the completed first task
     flat = lambda m: [v for row in m for v in row]  # noqa: E731
     assert flat(resumed["matrix"]) == pytest.approx(flat(full["matrix"]), rel=1e-5)
     assert resumed["general_loss"] == pytest.approx(full["general_loss"], rel=1e-5)

@@ -194,6 +194,7 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_its_weights_are_r
     need = sum(t.numel() * 4 for t in [*saved.parameters(), *saved.buffers()])
     assert models.loaded_bytes(saved.config, torch.float32) == need
     assert models.loaded_bytes(saved.config, torch.bfloat16) == need // 2
+    assert saved.config.dtype == torch.float32  # counted on a copy: the config still says how it is stored
     monkeypatch.setattr(models, "free_memory", lambda device: need)
     assert load_model(path)[0].config.model_type == "llama"  # it just fits
 

@@ -213,8 +213,17 @@ def test_a_sequence_killed_inside_a_task_resumes_to_the_uninterrupted_result(wor
 
 
 def test_a_run_killed_inside_the_task_resumes_to_the_uninterrupted_result(workspace, monkeypatch):
+    """... and the resumed task checks its memory with the layers held and before the checkpoint's
+    optimizer state is allocated (after, it would count that state twice: allocated and needed)."""
+    import adept_ext.training.loop as loop
+
+    calls = []
+    for name in ("check_memory", "load_training_state"):
+        monkeypatch.setattr(loop, name, lambda *a, _real=getattr(loop, name), _name=name, **k:
+                            (calls.append(_name), _real(*a, **k))[1])
     full, resumed, checkpoint = killed_and_resumed(workspace, monkeypatch, "nf4-lora", method="lora",
                                                    frozen_dtype="nf4")
+    assert calls[-2:] == ["check_memory", "load_training_state"]
     assert checkpoint["base_4bit"] == full["base_4bit"]  # kept, not evaluated again
     for key in ("base", "base_4bit", "final_4bit", "final"):
         assert resumed[key] == pytest.approx(full[key], rel=1e-5), key

@@ -609,6 +609,7 @@ def test_bad_values_are_refused_before_anything_is_loaded_or_written(tmp_path, c
 
 def test_memory_estimate_counts_only_what_trains(workspace):
     from adept_ext.training import check_memory
+    from adept_ext.training.device import memory_estimate
 
     model = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
     cfg = options(workspace, "memory")
@@ -631,6 +632,10 @@ def test_memory_estimate_counts_only_what_trains(workspace):
     whole = estimate("optimizer", cfg=cfg, model=model, trainable=10**12)  # 12 bytes per trainable parameter
     assert whole == pytest.approx(10**12 * 12 / 2**30, rel=1e-2)
     assert estimate("optimizer", cfg=cfg, model=model, trainable=10**12, shards=4) == pytest.approx(whole / 4, rel=1e-2)
+    # the check right after loading (every weight still requires grad, nothing trains yet): no optimizer state,
+    # the float32 moments an 8-bit optimizer keeps for trainable embeddings included
+    for optim in ("adamw_torch", "adamw_8bit"):
+        assert memory_estimate(options(workspace, "memory", optim=optim), model)["optimizer"] == 0, optim
 
 
 @pytest.mark.parametrize("name", ["domain_aware", "plasticity", "spread"])

@@ -127,8 +127,8 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     if (device or device_for(cfg)).type == "cpu":  # the exact copies of held weights share the CPU's memory
         weights += exact_host_bytes(model)
     # trainable embedding weights keep float32 moments under an 8-bit optimizer (as in HF's Trainer)
-    embeddings = sum(m.weight.numel() for m in model.modules()
-                     if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad)
+    embeddings = min(trainable, sum(m.weight.numel() for m in model.modules()  # none where nothing trains yet
+                                    if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad))
     optimizer = (int(trainable * 4 + (trainable - embeddings) * moment_bytes(cfg.optim)
                      + embeddings * moment_bytes("adamw_torch")) // shards + step_bytes(cfg.optim, trainable // shards))
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all

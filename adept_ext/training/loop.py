@@ -239,9 +239,9 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
     frozen = frozen_dtype_for(cfg, bf16)
     nf4 = cfg.frozen_dtype == "nf4"
     to_hold = quantize.frozen_linear_parameters(model) if nf4 else []
-    if hold_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
-        log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
-    try:  # from here on the weights are held: put back exact whatever fails, before the steps or in them
+    try:  # from here on the weights are held: put back exact whatever fails, the hold included, or the steps
+        if hold_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
+            log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
         shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
         if not nf4:  # nf4: once the layers are held, below
             estimate = check_memory(cfg, model, bf16, n_trainable, shards)
@@ -256,6 +256,11 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         else:
             trained = parallel.wrap(model, device)
         optimizer, scheduler = optimizer_for(task, cfg)
+        if nf4:  # after the optimizer's hooks (ADEPT scores its source layers there, on their exact weights)
+            held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
+            log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
+            # and before a checkpoint's optimizer state loads: the check counts that state, not yet allocated
+            estimate = check_memory(cfg, model, bf16, n_trainable, shards)
         step = 0
         if checkpoint:
             load_training_state(checkpoint, model, method, optimizer, scheduler, out)
@@ -280,10 +285,6 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
 
         model.train()
         try:
-            if nf4:  # after the optimizer's hooks: ADEPT scores its source layers there, on their exact weights
-                held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
-                log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
-                estimate = check_memory(cfg, model, bf16, n_trainable, shards)
             train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
                         progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
             if nf4:
