@@ -237,7 +237,17 @@ def _assert_like_one_process(ranks, single):
 
 @pytest.fixture(scope="module")
 def run_workspace(tmp_path_factory):
-    return write_run_workspace(tmp_path_factory.mktemp("ddp"))
+    """The runner tests' files, and `tiny64/`: the tiny Llama with hidden size 64, whose every frozen
+    projection `quantize.frozen_linears` holds in 4 bits (at 32 only the down projections)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    root = write_run_workspace(tmp_path_factory.mktemp("ddp"))
+    vocab = AutoConfig.from_pretrained(root / "tiny").vocab_size
+    shutil.copytree(root / "tiny", root / "tiny64")  # its tokenizer; the weights replaced
+    tiny_model("llama", layers=4, vocab=vocab, hidden=64).save_pretrained(root / "tiny64")
+    return root
 
 
 SCALE_OPTIONS = {"gradient_checkpointing": True, "mix_general": 0.25}  # issue 26's switches, under the engines
@@ -262,6 +272,8 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
     options = dict(model=str(ws / "tiny"), general=str(ws / "general"), domain=str(ws / "domain.jsonl"),
                    method=method, k=2, max_length=32, batch_size=2, steps=3, warmup_steps=1, probe_blocks=4,
                    eval_blocks=4, eval_every=0, save_every=0, recompute_every=2, lr=1e-3, lora_rank=2, **extra)
+    if extra.get("frozen_dtype") == "nf4":
+        options["model"] = str(ws / "tiny64")
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single"),
                               "loss_implementation": "hf"}),
                  progress=False, log=lambda *a: None)
