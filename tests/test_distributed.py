@@ -6,7 +6,7 @@ import torch.multiprocessing as mp
 
 from adept_ext.lm_loss import next_token_loss
 from adept_ext.probe import layer_importance
-from tiny_models import padded_batches, tiny_model, write_run_workspace
+from tiny_models import padded_batches, save_whole_block_llama, tiny_model, write_run_workspace
 
 
 def _probe_worker(rank, world, init_file, result_file):
@@ -237,16 +237,13 @@ def _assert_like_one_process(ranks, single):
 
 @pytest.fixture(scope="module")
 def run_workspace(tmp_path_factory):
-    """The runner tests' files, and `tiny64/`: the tiny Llama with hidden size 64, whose every frozen
-    projection `quantize.frozen_linears` holds in 4 bits (at 32 only the down projections)."""
+    """The runner tests' files, and `tiny64/`: the tiny Llama whose every frozen projection is held in
+    4 bits (`save_whole_block_llama`)."""
     import shutil
 
-    from transformers import AutoConfig
-
     root = write_run_workspace(tmp_path_factory.mktemp("ddp"))
-    vocab = AutoConfig.from_pretrained(root / "tiny").vocab_size
-    shutil.copytree(root / "tiny", root / "tiny64")  # its tokenizer; the weights replaced
-    tiny_model("llama", layers=4, vocab=vocab, hidden=64).save_pretrained(root / "tiny64")
+    shutil.copytree(root / "tiny", root / "tiny64")
+    save_whole_block_llama(root / "tiny64")
     return root
 
 

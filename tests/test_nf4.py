@@ -19,7 +19,7 @@ from test_continual import kill_inside_the_second_task
 from test_continual import options as continual_options
 from test_continual import quiet
 from test_train import killed_and_resumed, options
-from tiny_models import tiny_model, write_sequence_workspace
+from tiny_models import save_whole_block_llama, write_sequence_workspace
 
 # Fixed before the runs: a step's loss with 4-bit frozen weights may differ from float32's by this
 # much (relative) on the tiny random-weight model at lr 1e-3. Measured since: 0.0008 at the first step
@@ -29,11 +29,9 @@ LOSS_RTOL = 2e-2
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """The runner tests' files with a tiny Llama whose rows are whole NF4 blocks (hidden size 64:
-    `quantize.frozen_linears` holds every frozen projection of it)."""
+    """The runner tests' files with a tiny Llama whose rows are whole NF4 blocks (`save_whole_block_llama`)."""
     root = write_sequence_workspace(tmp_path_factory.mktemp("nf4"))
-    vocab = AutoModelForCausalLM.from_pretrained(root / "tiny").config.vocab_size
-    tiny_model("llama", layers=4, vocab=vocab, hidden=64).save_pretrained(root / "tiny")
+    save_whole_block_llama(root / "tiny")
     return root
 
 

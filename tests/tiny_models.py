@@ -52,6 +52,16 @@ def tiny_model(arch, layers=4, seed=0, **kw):
     return model.eval()
 
 
+def save_whole_block_llama(directory):
+    """Replace the tiny Llama in `directory` (its tokenizer kept) by one of hidden size 64, whose rows
+    are whole NF4 blocks: `quantize.frozen_linears` holds every frozen projection of it (at 32 only
+    the down projections)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(directory).vocab_size
+    tiny_model("llama", layers=4, vocab=vocab, hidden=64).save_pretrained(directory)
+
+
 def padded_batches(vocab=97, n_batches=2, batch=3, seq=12, seed=1):
     """Batches with right padding of different lengths (labels -100 at padding)."""
     gen = torch.Generator().manual_seed(seed)
