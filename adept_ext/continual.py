@@ -25,12 +25,12 @@ from typing import Collection, Dict, List, Optional
 
 import torch
 
-from . import data, harness, parallel
+from . import data, harness, held, parallel
 from .errors import InputError, RunError
 from .methods import create
 from .methods.base import option
 from .lm_loss import check_packing, loss_path
-from .models import load_model
+from .models import load_model, to_device
 from .report import plot_matrix, plot_series
 from .data.packing import packed_view
 from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
@@ -104,7 +104,12 @@ class Evaluator:
         self.eos_id, self.progress, self.method = eos_id, progress, method
 
     def row(self, model, label: str) -> Dict:
-        """Task i is scored on the model `method.scoring(model, i)` yields; the general corpus on `model`."""
+        """Task i is scored on the model `method.scoring(model, i)` yields; the general corpus on `model`;
+        under autocast where the model holds bfloat16 weights."""
+        with held.autocast_for(model, self.device):  # the frozen weights held (bfloat16) as the steps see them
+            return self.scored_row(model, label)
+
+    def scored_row(self, model, label: str) -> Dict:
         scores, details = [], []
         for i, task in enumerate(self.tasks):
             held = task.held.first(self.cfg.eval_blocks).tensors()
@@ -138,14 +143,16 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     started = time.time()
     main = parallel.is_main()
     bf16 = use_bf16(cfg, device)
-    frozen_dtype_for(cfg, bf16)  # refused before anything loads
+    frozen = frozen_dtype_for(cfg, bf16)  # refused before anything loads
+    hold = frozen if frozen != torch.float32 else None  # held from the load on (docs/design.md, "Precision")
+    to_host = hold is not None or cfg.frozen_dtype == "nf4"  # each task merges on the host, then held again
     out = check_out(cfg, "continual")
     method = create(cfg.method, cfg, sequence=True)
     checkpoint = read_checkpoint(out) if cfg.resume else None
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
-        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
+        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation, hold=hold)
         method.check(model)
         if cfg.packing:
             check_packing(model)
@@ -182,7 +189,8 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     if checkpoint and checkpoint["completed"] > 0:  # the base model freed first: the load checks the free memory
         model = None
         gc.collect()
-        model = load_model(out / RESUME_MODEL, device=device, attn_implementation=cfg.attn_implementation)[0]
+        model = load_model(out / RESUME_MODEL, device=device, attn_implementation=cfg.attn_implementation,
+                           hold=hold)[0]
     rows = checkpoint["rows"] if checkpoint else [evaluator.row(model, "base")]
     if not checkpoint:
         add_benchmarks(rows[0], cfg, model, tokenizer, out / "benchmark_samples_base.jsonl", log)
@@ -217,8 +225,10 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
                            general_probe=general_probe,
                            domain_probe=list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size)), task_index=t,
                            checkpoint=checkpoint if resuming else None, hooks=hooks, artifacts=task_dir, report=extras,
-                           tracker=tracker, step_offset=t * cfg.steps, progress=progress, log=log)
+                           tracker=tracker, step_offset=t * cfg.steps, progress=progress, to_host=to_host, log=log)
             model = fit["model"]
+            if to_host:  # merged on the host, exact: on the device again, held, for the scores and the next task
+                to_device(model, device, torch.float32, hold)
             for p in model.parameters():
                 p.requires_grad_(False)
             rows.append(evaluator.row(model, f"after {task.name}"))
@@ -234,7 +244,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             log(f"after {task.name}: scores {[round(s, 4) for s in rows[-1]['scores']]}, "
                 f"general loss {rows[-1]['general_loss']:.4f}")
             if t + 1 < len(tasks) and main:
-                atomic_dir(out / RESUME_MODEL, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+                atomic_dir(out / RESUME_MODEL, lambda tmp: save_exact(model, tokenizer, tmp))
                 state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
                          "method": method.state_dict(), "rng": rng_state(), "world_size": parallel.world_size()}
                 atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
@@ -245,7 +255,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     report = build_report(cfg, tasks, rows, per_task, history, device, bf16, time.time() - started, loss)
     report["data"] = examples
     if main:
-        atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        atomic_dir(out / "model", lambda tmp: save_exact(model, tokenizer, tmp))
         write_report(report, out)
         (out / CHECKPOINT).unlink(missing_ok=True)
         shutil.rmtree(out / RESUME_MODEL, ignore_errors=True)
@@ -255,6 +265,16 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         f"{report['general_forgetting']:+.4f}; report: {out / 'report.md'}")
     parallel.barrier(device)  # every rank returns once rank 0 has written the run
     return report
+
+
+def save_exact(model, tokenizer, path):
+    """The model, its held weights exact (`held.exact_state_dict`, from the host), config.json saying
+    float32 (save_pretrained writes the dtype of the held weights there), and the tokenizer."""
+    model.save_pretrained(path, state_dict=held.exact_state_dict(model))
+    config = Path(path) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "dtype": "float32"}, indent=2, sort_keys=True)
+                      + "\n")
+    tokenizer.save_pretrained(path)
 
 
 def add_benchmarks(row: Dict, cfg, model, tokenizer, samples_path: Path, log):

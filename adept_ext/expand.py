@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from . import held
 from .models import adapter
 
 
@@ -99,6 +100,8 @@ def expand_layers(model, layers: Sequence[int]) -> List[torch.nn.Parameter]:
         new_layers.append(layer)
         if i in chosen:
             clone = copy.deepcopy(layer)
+            for source, copied in zip(layer.parameters(), clone.parameters()):  # exact, where the load held them
+                copied.data = held.exact_value(model, source).to(copied.device, copy=True)
             _zero_output_projections(ad, clone)
             copies.append((len(new_layers), new_index[i]))
             new_layers.append(clone)

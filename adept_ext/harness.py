@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import lm_eval_tasks, parallel
+from . import held, lm_eval_tasks, parallel
 from .errors import InputError, RunError
 
 INSTALL = 'pip install "adept-ext[lm-eval]"'
@@ -155,7 +155,8 @@ def _evaluate_here(model, tokenizer, tasks, include_path, num_fewshot, limit, ba
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # HFLM warns on every call that it was given a model object, as it is meant to be
     try:
-        with kept_state(model), torch.no_grad():
+        device = next(model.parameters()).device  # under autocast where `run` holds weights in bfloat16
+        with kept_state(model), torch.no_grad(), held.autocast_for(model, device):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=list(tasks), task_manager=task_manager(tuple(tasks), include_path),

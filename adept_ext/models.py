@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 from safetensors import SafetensorError
 
+from . import held
 from .errors import InputError
 from .ops import linear_cross_entropy, linear_cross_entropy_sum
 
@@ -366,10 +367,17 @@ def check_attention(attn_implementation: str, device="cpu"):
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _to_device(model, device, dtype: torch.dtype):
+def to_device(model, device, dtype: torch.dtype, hold: Optional[torch.dtype] = None):
     """Every parameter and buffer of `model` on `device`, the floating-point ones in `dtype`, one
-    tensor at a time (its 16-bit source freed as it goes: no second copy of the whole model)."""
-    for t in [*model.parameters(), *model.buffers()]:
+    tensor at a time (its 16-bit source freed as it goes: no second copy of the whole model); with
+    `hold`, the floating-point parameters held in that dtype instead (`held.hold`: exact in `dtype`,
+    the exact value kept on the host where the cast rounds)."""
+    for p in model.parameters():
+        if hold is not None and p.is_floating_point():
+            held.hold(model, [p], hold, device, exact_dtype=dtype)
+        else:
+            p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+    for t in model.buffers():
         t.data = t.data.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 
 
@@ -395,18 +403,21 @@ def loaded_bytes(config, dtype: torch.dtype) -> int:
                for t in [*model.parameters(), *model.buffers()])
 
 
-def check_load_memory(path: Path, config, dtype: torch.dtype, device):
+def check_load_memory(path: Path, config, dtype: torch.dtype, device, hold: Optional[torch.dtype] = None):
     """InputError before a weight is read where `device` has less free memory (`free_memory`) than
-    the model takes loaded in `dtype` (`loaded_bytes`): every run loads it in float32 on its device
-    and holds the frozen weights in 16 or 4 bits only once a task has chosen what trains
-    (docs/design.md, "Precision")."""
-    need, free = loaded_bytes(config, dtype), free_memory(device)
+    the model takes loaded (`loaded_bytes`) in `dtype`, or held in `hold` (the runners hold the
+    weights from the load on under bf16 autocast), plus, on the CPU, the exact values of a
+    checkpoint that `hold` rounds (docs/design.md, "Precision")."""
+    need, free = loaded_bytes(config, hold or dtype), free_memory(device)
+    if hold is not None and torch.device(device).type == "cpu" and stored_dtype(config) not in HALF_DTYPES:
+        need += loaded_bytes(config, dtype)
     if need > free:
         gib = 2**30
-        raise InputError(f"{path}: the model takes {need / gib:.1f} GiB in {str(dtype).removeprefix('torch.')} but "
-                         f"{torch.device(device)} has {free / gib:.1f} GiB free: runs load the model in float32 and "
-                         "hold the frozen weights in 16 or 4 bits (--frozen-dtype) only once a task starts; "
-                         "use a device with more memory or a smaller model")
+        as_loaded = str(hold or dtype).removeprefix('torch.')
+        raise InputError(f"{path}: the model takes {need / gib:.1f} GiB loaded ({as_loaded}) but "
+                         f"{torch.device(device)} has {free / gib:.1f} GiB free: use a device with more memory or a "
+                         "smaller model (under bf16 autocast the runners load the weights held in bfloat16, with "
+                         "--frozen-dtype auto, bfloat16 or nf4)")
 
 
 def stored_dtype(config) -> Optional[torch.dtype]:
@@ -418,14 +429,18 @@ def stored_dtype(config) -> Optional[torch.dtype]:
     return stored if isinstance(stored, torch.dtype) else None
 
 
-def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "auto"):
+def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementation: str = "auto",
+               hold: Optional[torch.dtype] = None):
     """(model, tokenizer) from a local checkpoint directory, an embedded model name or a Hub id
     `org/name` in the local Hugging Face cache, offline, with `attn_implementation` (transformers'
     name: sdpa, eager or flash_attention_2; auto, the default: what transformers picks for the
     model, `resolve_attention`; the model's `config._attn_implementation` says which ran).
     A checkpoint stored in 16 bits (config.json's `dtype`, `stored_dtype`) is read as stored
     (transformers maps its shards) and each tensor is made `dtype` on `device` one at a time
-    (`_to_device`), so the host never holds the model in float32 (docs/design.md, "Precision").
+    (`to_device`), so the host never holds the model in float32 (docs/design.md, "Precision");
+    with `hold` (bfloat16), each floating-point parameter is held in that dtype on `device` instead,
+    exact in `dtype` (`held.hold`: its exact value on the host where the cast rounds), so the device
+    never holds it in `dtype`.
 
     Raises FileNotFoundError for an unknown name, a missing directory or a Hub id that is not
     cached, and InputError (a ValueError) for a config.json that cannot be read, a checkpoint that
@@ -459,7 +474,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
         raise InputError(f"{config.model_type} runs with --attn-implementation {' or '.join(family.attention)} "
                          f"(or auto) in transformers, not {backend}")
     stored = stored_dtype(config)
-    check_load_memory(path, config, dtype, device)
+    check_load_memory(path, config, dtype, device, hold)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=backend,
                                                      dtype=stored if stored in HALF_DTYPES else dtype)
@@ -467,7 +482,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     except (OSError, ValueError, SafetensorError) as e:  # missing or corrupt weights, no usable tokenizer
         raise InputError(f"{path} cannot be loaded as a Hugging Face causal LM with its tokenizer: "
                          f"{' '.join(str(e).split())[:300] or type(e).__name__}") from e
-    _to_device(model, device, dtype)
+    to_device(model, device, dtype, hold)
     if str(name_or_dir) in EMBEDDED_MODELS:  # also for a cache converted before the name was set
         _name_embedded(model.config, str(name_or_dir))
     elif path != Path(name_or_dir):  # a Hub id: named as transformers names a model loaded by its id

@@ -4,18 +4,19 @@ QLoRA's data type (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LL
 4-bit NormalFloat, double quantisation) through bitsandbytes: `hold_nf4` replaces every frozen
 `nn.Linear` of the decoder layers (LoRA's base layers, ADEPT's and LLaMA-Pro's originals, freeze_deep's deep block) by a
 `bitsandbytes.nn.Linear4bit` holding its weight as NF4 in blocks of 64 with double quantisation (the
-blocks' scales quantised too: about 0.52 bytes a weight), computing in `compute_dtype`. The exact
-layer moves to the host, and `release_nf4` puts it back, so what follows the steps (evaluation,
-merging, saving) sees the weights the task started from, bit for bit: the 4-bit copy is only ever
-read by the forward and backward passes. What trains, the norms, the embeddings and the LM head are
-not touched here (`training.device.hold_frozen` holds them). Linear layers are the whole of it:
-a mixture of experts' fused expert tensors stay as they are.
+blocks' scales quantised too: about 0.52 bytes a weight), computing in `compute_dtype`, quantised
+from the exact weight (`held.exact_value`: not its bfloat16 copy where the load held it). The
+replaced layer moves to the host, and `release_nf4` puts it back, so what follows the steps
+(merging, saving) sees the weights the task started from, bit for bit. What trains, the norms, the
+embeddings and the LM head are not touched here (`training.device.hold_frozen` holds them). Linear
+layers are the whole of it: a mixture of experts' fused expert tensors stay as they are.
 """
 import importlib.util
 from typing import Dict, List, Tuple
 
 import torch
 
+from . import held
 from .errors import RunError
 from .models import adapter
 from .optim import BNB_INSTALL, BNB_MODULE
@@ -61,8 +62,8 @@ def frozen_linears(model) -> List[Tuple[str, torch.nn.Linear]]:
 
 
 def frozen_linear_parameters(model) -> List[torch.nn.Parameter]:
-    """The parameters of `frozen_linears(model)`: what `hold_nf4` will hold (kept out of the bfloat16
-    cast before it, so that the 4 bits are quantised from the exact weights)."""
+    """The parameters of `frozen_linears(model)`: what `hold_nf4` will hold (kept out of a task's
+    bfloat16 cast before it: no bfloat16 copy on the device where the load did not hold them)."""
     return [p for _, module in frozen_linears(model) for p in module.parameters()]
 
 
@@ -71,39 +72,41 @@ def hold_nf4(model, compute_dtype: torch.dtype) -> int:
     device, the exact layers kept on the host for `release_nf4`; returns how many are held. On any
     error, or Ctrl-C, every layer replaced so far is put back first."""
     bnb = bitsandbytes()
-    held: Dict[str, torch.nn.Linear] = model.__dict__.setdefault(_HELD, {})
+    originals: Dict[str, torch.nn.Linear] = model.__dict__.setdefault(_HELD, {})
     try:
         for name, linear in frozen_linears(model):
             device = linear.weight.device
             quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                           compute_dtype=compute_dtype, compress_statistics=True,
                                           quant_type=QUANT_TYPE, device="meta")
-            quantized.weight = bnb.nn.Params4bit(linear.weight.detach().clone(), requires_grad=False,
+            weight = held.exact_value(model, linear.weight).detach().clone()  # not its bfloat16 copy, if held
+            quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False,
                                                  blocksize=BLOCKSIZE, compress_statistics=True, quant_type=QUANT_TYPE,
                                                  module=quantized).to(device)  # quantised on the way
             if linear.bias is not None:
-                quantized.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+                bias = held.exact_value(model, linear.bias).detach().clone().to(device)
+                quantized.bias = torch.nn.Parameter(bias, requires_grad=False)
             quantized.support_avx512bf16_for_cpu = False  # one layout: not repacked in place for CPU inference
             quantized.train(linear.training)
-            held[name] = linear  # before the swap: release_nf4 puts back whatever was swapped
+            originals[name] = linear  # before the swap: release_nf4 puts back whatever was swapped
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, quantized)
             linear.to("cpu")
     except BaseException:
         release_nf4(model)
         raise
-    return len(held)
+    return len(originals)
 
 
-def release_nf4(model) -> int:
-    """Put back every layer `hold_nf4` replaced, exact, on the device its 4-bit copy was on; returns
-    how many."""
-    held = model.__dict__.pop(_HELD, {})
-    for name, linear in held.items():
+def release_nf4(model, device=None) -> int:
+    """Put back every layer `hold_nf4` replaced, as it was, on `device` (default: the device its
+    4-bit copy was on); returns how many."""
+    originals = model.__dict__.pop(_HELD, {})
+    for name, linear in originals.items():
         parent, _, child = name.rpartition(".")
         quantized = model.get_submodule(name)
-        setattr(model.get_submodule(parent), child, linear.to(quantized.weight.device))
-    return len(held)
+        setattr(model.get_submodule(parent), child, linear.to(device or quantized.weight.device))
+    return len(originals)
 
 
 def nf4_bytes(numel: int) -> float:

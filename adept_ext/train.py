@@ -21,9 +21,10 @@ import math
 import platform
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Collection, Dict, List, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
@@ -247,7 +248,7 @@ class _RunHooks(TaskHooks):
         self.cfg, self.model, self.corpora, self.out, self.report = cfg, model, corpora, out, report
         self.history, self.device, self.tracker, self.progress, self.log = history, device, tracker, progress, log
         self.t0, self.first_step = time.time(), 0
-        self.base_4bit = self.final_4bit = None
+        self.tokenizer = self.final_benchmarks = None
 
     def stage(self, name, **extra):
         self.report["stages"][name] = {"seconds": round(time.time() - self.t0, 2),
@@ -277,14 +278,7 @@ class _RunHooks(TaskHooks):
             self.history["eval"].append({"step": step, **self.evaluate(step)})
 
     def checkpoint_fields(self):
-        return {"base": self.base, "base_4bit": self.base_4bit, "base_benchmarks": self.base_benchmarks}
-
-    def trained_in_4bit(self, step):
-        """The held-out losses of the model as it trained, before the exact frozen layers come back
-        (report.json's "final_4bit"): what the 4-bit rounding itself costs, beside the saved model's."""
-        started = time.time()
-        self.final_4bit = self.evaluate(step, " (frozen layers in 4 bits)", group="eval_4bit")
-        self.t0 += time.time() - started  # not training time
+        return {"base": self.base, "base_benchmarks": self.base_benchmarks}
 
     def trained(self, step):
         per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.max_length
@@ -295,18 +289,36 @@ class _RunHooks(TaskHooks):
         self.history["eval"].append({"step": step, **self.final})
         self.stage("final_eval", **self.final)
 
+    def unsharded(self, step):
+        self.final_benchmarks = harness.for_run(self.cfg, self.model, self.tokenizer,
+                                                self.out / "benchmark_samples_final.jsonl", self.tracker, step,
+                                                "final", self.log)
+        if self.final_benchmarks:
+            self.stage("final_benchmarks")
+
+
+def evaluated_held(cfg, bf16: bool) -> Optional[str]:
+    """How `run`'s evaluations hold the frozen weights (as the steps do): "nf4" (the decoder's linear
+    layers in 4 bits, `quantize.hold_nf4`), "bfloat16", or None (exact)."""
+    if cfg.frozen_dtype == "nf4":
+        return "nf4"
+    frozen = frozen_dtype_for(cfg, bf16)
+    return None if frozen == torch.float32 else str(frozen).removeprefix("torch.")
+
 
 def _run(cfg: RunConfig, device, progress, log) -> Dict:
     started = time.time()
     main = parallel.is_main()
     bf16 = use_bf16(cfg, device)
-    frozen_dtype_for(cfg, bf16)  # refused before anything loads
     checkpoint = read_checkpoint(check_out(cfg, "run")) if cfg.resume else None
     method = create(cfg.method, cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
-        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation)
+        frozen = frozen_dtype_for(cfg, bf16)  # held from the load on (docs/design.md, "Precision")
+        hold = frozen if frozen != torch.float32 else None
+        model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation,
+                                      hold=hold)
         method.check(model)
         if cfg.packing:
             check_packing(model)
@@ -329,27 +341,23 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     tracker = Tracker(cfg.report_to, out, asdict(cfg), cfg.method)
     try:
         hooks = _RunHooks(cfg, model, corpora, out, report, history, device, tracker, progress, log)
-        base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(0, " (base)")
+        hooks.tokenizer = tokenizer
         hooks.first_step = checkpoint["step"] if checkpoint else 0
-        hooks.base_4bit = checkpoint.get("base_4bit") if checkpoint else None
-        if cfg.frozen_dtype == "nf4" and hooks.base_4bit is None:  # the base, every weight held as if frozen
-            with held_as_frozen(model, cfg, bf16):
-                hooks.base_4bit = hooks.evaluate(0, " (base, frozen layers in 4 bits)", group="eval_4bit")
-        hooks.stage("base_eval", **base)
-        log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
-        hooks.base_benchmarks = checkpoint.get("base_benchmarks") if checkpoint else \
-            harness.for_run(cfg, model, tokenizer, out / "benchmark_samples_base.jsonl", tracker, 0, "base", log)
+        with nullcontext() if checkpoint else held_as_frozen(model, cfg, bf16):  # the base as the steps see it
+            base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(0, " (base)")
+            hooks.stage("base_eval", **base)
+            log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
+            hooks.base_benchmarks = checkpoint.get("base_benchmarks") if checkpoint else \
+                harness.for_run(cfg, model, tokenizer, out / "benchmark_samples_base.jsonl", tracker, 0, "base", log)
         if hooks.base_benchmarks:
             hooks.stage("base_benchmarks")
         fit = fit_task(model, method, cfg, device, bf16, lambda task: corpora.domain_train, history, out=out,
                        desc=f"training ({cfg.method})", general_probe=corpora.general_probe,
                        domain_probe=corpora.domain_probe, diagnosis_batches=lambda: diagnosis_batches(cfg, corpora),
                        checkpoint=checkpoint, hooks=hooks, artifacts=out if main else None, report=report,
-                       tracker=tracker, progress=progress, log=log)
-        final_benchmarks = harness.for_run(cfg, fit["model"], tokenizer, out / "benchmark_samples_final.jsonl",
-                                           tracker, cfg.steps, "final", log)
-        if final_benchmarks:
-            hooks.stage("final_benchmarks")
+                       tracker=tracker, progress=progress, log=log,
+                       to_host=hold is not None or cfg.frozen_dtype == "nf4")  # merged and saved on the host
+        final_benchmarks = hooks.final_benchmarks
     finally:
         tracker.close()
     task, final, n_trainable = fit["task"], hooks.final, fit["trainable"]
@@ -364,7 +372,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         "gain_domain_delta": base["domain_loss"] - final["domain_loss"],
         "perplexity": {"base_general": math.exp(base["general_loss"]), "final_general": math.exp(final["general_loss"]),
                        "base_domain": math.exp(base["domain_loss"]), "final_domain": math.exp(final["domain_loss"])},
-        **({"base_4bit": hooks.base_4bit, "final_4bit": hooks.final_4bit} if hooks.final_4bit else {}),
+        "evaluated_held": evaluated_held(cfg, bf16),
         "trainable_parameters": n_trainable, "trainable_fraction": report["stages"]["prepare"]["trainable_fraction"],
         "memory_estimate_mb": fit["memory_estimate_mb"],
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
@@ -397,12 +405,9 @@ def markdown_report(report: Dict) -> str:
                                                                                               ("final", final))),
              "", f"Forgetting (general Δloss): {report['forgetting_general_delta']:+.4f}; "
              f"gain (domain −Δloss): {report['gain_domain_delta']:+.4f}."
-             + ("" if "final_4bit" not in report else
-                f" The model as it trained, its frozen layers still in 4 bits (--frozen-dtype nf4): general loss "
-                f"{report['final_4bit']['general_loss']:.4f}, domain loss {report['final_4bit']['domain_loss']:.4f}, "
-                f"from the base held the same way: general {report['base_4bit']['general_loss']:.4f}, domain "
-                f"{report['base_4bit']['domain_loss']:.4f}; the saved model (the table's final row) has the exact "
-                "layers back."), "",
+             + ("" if not report.get("evaluated_held") else
+                f" Both rows evaluate the model as the steps saw it, its frozen weights held in "
+                f"{report['evaluated_held']} (--frozen-dtype); the saved model has them exact."), "",
              f"Trainable parameters: {report['trainable_parameters'] / 1e6:.2f}M ({report['trainable_fraction']:.1%}): "
              f"{report['summary']}. Layer numbers are those of the model before expansion unless said otherwise.", "",
              "| stage | seconds | peak memory MB |", "|---|---|---|"]

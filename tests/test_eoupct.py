@@ -380,3 +380,25 @@ def test_the_default_student_takes_the_mlp_gate_projections(arch, gate):
     model = tiny_model(arch)
     assert student_targets(model, "gate") == (gate or target_modules(model))
     assert student_targets(model, "all") == target_modules(model)
+
+
+def test_the_base_is_shifted_exactly_where_the_runner_holds_it_in_bfloat16():
+    """W ← W − s·B₀A₀ goes into the exact value a held weight keeps (`held.assign`), which the merge
+    and the save read, not only into its bfloat16 copy (which would leave B₀A₀ counted twice)."""
+    from adept_ext import held
+
+    model, method, optimizer = make()
+    for batch in padded_batches(n_batches=2):
+        train_step(model, method, optimizer, batch)
+    model = method.end_task(model, None, {})
+    held.hold(model, list(model.parameters()), torch.bfloat16)  # as the runners hold the merged model
+    exact = {id(p): held.exact_value(model, p).clone() for p in model.parameters()}
+    method.prepare(model, context(task_index=1))
+    shifted = 0
+    for name, layer in lora_adapters(model):
+        w = layer.base_layer.weight
+        b0a0 = method.adapter[f"{name}.lora_B.default.weight"] @ method.adapter[f"{name}.lora_A.default.weight"]
+        assert torch.equal(held.exact_value(model, w), exact[id(w)] - b0a0 * layer.scaling["default"]), name
+        assert w.dtype == torch.bfloat16 and torch.equal(w, held.exact_value(model, w).to(torch.bfloat16)), name
+        shifted += 1
+    assert shifted

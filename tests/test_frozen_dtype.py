@@ -3,6 +3,7 @@ their gradients and AdamW's moments in float32), exact float32 again for evaluat
 saving (kept on the host where the cast rounds); the memory estimate counts what is held; refused
 where it cannot run."""
 import json
+import re
 
 import pytest
 import torch
@@ -11,12 +12,13 @@ from transformers import AutoModelForCausalLM
 import adept_ext.training.loop as loop
 from adept_ext.cli import main
 from adept_ext.errors import RunError
-from adept_ext.training.device import exact_host_bytes, hold_frozen, memory_estimate, release_frozen
+from adept_ext.training.device import exact_host_bytes, hold_frozen, memory_estimate
 from test_continual import options as continual_options
 from test_continual import quiet
 from test_continual import workspace as continual_workspace  # noqa: F401 (module-scoped fixture)
 from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
 from adept_ext.continual import run as run_continual
+from adept_ext.held import release as release_frozen
 from adept_ext.train import run
 
 
@@ -129,14 +131,24 @@ def test_frozen_weights_train_in_bfloat16_and_come_back_in_float32(workspace, me
                 assert torch.equal(saved.model.layers[j].get_parameter(name), p), (j, name)
 
 
-def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_workspace, held_dtypes):  # noqa: F811
+def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_workspace, monkeypatch,  # noqa: F811
+                                                                 held_dtypes):
+    """... from the load on: every score row (each task's held-out split, the general text) is of the
+    model held as the steps see it, merged on the host and held again; the saved model is exact."""
+    import adept_ext.continual as continual_module
+
+    evaluations, real = [], continual_module.evaluate
+    monkeypatch.setattr(continual_module, "evaluate", lambda model, *a, **k: evaluations.append(
+        {p.dtype for p in model.parameters()}) or real(model, *a, **k))  # between tasks nothing trains
     report = run_continual(continual_options(continual_workspace, "frozen-seq", method="seq_lora", bf16="on",
                                              frozen_dtype="bfloat16"), progress=False, log=quiet)
     assert len(held_dtypes) == len(report["tasks"]) >= 2
     assert all(d == {"trainable": {torch.float32}, "frozen": {torch.bfloat16}} for d in held_dtypes)
     assert all(score == score for row in report["matrix"] for score in row)
+    assert len(evaluations) >= len(report["matrix"]) and all(d == {torch.bfloat16} for d in evaluations)
     base = AutoModelForCausalLM.from_pretrained(continual_workspace / "tiny")
     saved = AutoModelForCausalLM.from_pretrained(continual_workspace / "frozen-seq" / "model")
+    assert saved.config.dtype == torch.float32 and {p.dtype for p in saved.parameters()} == {torch.float32}
     kept = {n: p for n, p in saved.named_parameters() if "proj" not in n}  # what no task's adapter changes
     assert all(torch.equal(p, base.get_parameter(n)) for n, p in kept.items()) and len(kept) > 3
 
@@ -174,3 +186,92 @@ def test_auto_holds_frozen_weights_in_bfloat16_on_a_cuda_gpu(workspace, held_dty
     assert all(h["loss"] == h["loss"] for h in report["history"]["train"])
     saved = AutoModelForCausalLM.from_pretrained(workspace / "frozen-cuda" / "model")
     assert all(p.dtype == torch.float32 for p in saved.parameters())
+
+
+def frozen_dtypes_in_evaluations(monkeypatch) -> list:
+    """Per evaluation `run` makes (base, during the task, final): the dtypes of the parameters that
+    do not train."""
+    import adept_ext.train as train_module
+
+    seen, real = [], train_module.evaluate
+
+    def record(model, *args, **kwargs):
+        seen.append({p.dtype for p in model.parameters() if not p.requires_grad})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", record)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["adept", "lora", "freeze_deep"])
+def test_run_holds_the_frozen_weights_from_the_load_to_the_export(workspace, monkeypatch, method,  # noqa: F811
+                                                                     held_dtypes):
+    """Under --frozen-dtype bfloat16 `run` loads the weights held and evaluates the model as the steps
+    see it: no frozen weight is float32 in any evaluation (base, during the task, final), and the
+    saved model is exact (the test above)."""
+    import adept_ext.train as train_module
+
+    evaluations, loaded, real_load = frozen_dtypes_in_evaluations(monkeypatch), [], train_module.load_model
+    monkeypatch.setattr(train_module, "load_model", lambda *a, **k: (lambda m: loaded.append(
+        {p.dtype for p in m[0].parameters()}) or m)(real_load(*a, **k)))
+    report = run(options(workspace, f"held-{method}", method=method, bf16="on", frozen_dtype="bfloat16"),
+                 progress=False, log=quiet)
+    assert len(evaluations) == 2 * (2 + len([e for e in report["history"]["eval"] if 0 < e["step"] < 4]))
+    assert loaded == [{torch.bfloat16}] and all(dtypes == {torch.bfloat16} for dtypes in evaluations)
+    assert held_dtypes[0] == {"trainable": {torch.float32}, "frozen": {torch.bfloat16}}
+    assert report["evaluated_held"] == "bfloat16"
+    assert "held in bfloat16 (--frozen-dtype)" in (workspace / f"held-{method}" / "report.md").read_text()
+
+
+def test_a_model_loaded_held_is_exact_on_export_and_copies_its_exact_layers(workspace):  # noqa: F811
+    from adept_ext import held
+    from adept_ext.expand import expand_layers
+    from adept_ext.models import load_model
+
+    source = AutoModelForCausalLM.from_pretrained(workspace / "tiny").state_dict()  # a float32 checkpoint
+    model = load_model(workspace / "tiny", hold=torch.bfloat16)[0]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    rounded = [k for k, v in source.items() if not torch.equal(v, v.to(torch.bfloat16).float())]
+    assert rounded and held.held_bytes(model) == 4 * sum(source[k].numel() for k in rounded)
+    copies = expand_layers(model, [0])  # a copy of layer 0 after it, from the exact weights
+    assert {p.dtype for p in copies} == {torch.float32}
+    for name, p in model.model.layers[1].named_parameters():
+        if not name.endswith(("o_proj.weight", "down_proj.weight")):  # zeroed: the identity
+            assert torch.equal(p, source[f"model.layers.0.{name}"]), name
+    held.release(model, trainable_only=True)
+    assert held.export_exact(model) > 0 and held.records(model) == []
+    exported = model.state_dict()
+    for key, value in source.items():  # layer i > 0 is layer i + 1 now
+        moved = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) + (m[1] != '0')}.", key)
+        assert exported[moved].dtype == torch.float32 and torch.equal(exported[moved], value), key
+
+
+
+def test_held_assign_keeps_the_exact_value_and_rounds_the_held_copy():
+    from adept_ext import held
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    p = model.model.norm.weight
+    held.hold(model, [p], torch.bfloat16)
+    value = torch.full_like(p, 1 / 3, dtype=torch.float32)  # bfloat16 rounds it
+    held.assign(model, p, value)
+    assert p.dtype == torch.bfloat16 and torch.equal(p, value.to(torch.bfloat16))
+    assert torch.equal(held.exact_value(model, p), value) and held.export_exact(model) == 1
+    assert p.dtype == torch.float32 and torch.equal(p, value)
+
+
+
+def test_a_method_that_trains_every_weight_prepares_on_the_exact_weights(continual_workspace,  # noqa: F811
+                                                                         monkeypatch):
+    """OSF's SVD (and eoupct's full-student teacher) read the weights in `prepare`: the weights the
+    load held come back exact first (under bfloat16, PEFT would also recast OSF's factors and drop
+    the gradient hooks it set on them)."""
+    from adept_ext.methods.osf import Osf
+
+    seen, real = [], Osf.prepare
+    monkeypatch.setattr(Osf, "prepare", lambda self, model, *a, **k: seen.append(
+        {p.dtype for p in model.parameters()}) or real(self, model, *a, **k))
+    run_continual(continual_options(continual_workspace, "osf-held", method="osf", bf16="on",
+                                    frozen_dtype="bfloat16"), progress=False, log=quiet)
+    assert len(seen) >= 2 and all(dtypes == {torch.float32} for dtypes in seen)

@@ -30,8 +30,8 @@ def test_read_as_stored_and_made_float32_tensor_by_tensor(checkpoints, monkeypat
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **kw: read.append(kw["dtype"]) or original(*a, **kw))
     converted = []
-    to_device = models._to_device
-    monkeypatch.setattr(models, "_to_device", lambda model, *a: converted.append({p.dtype for p in model.parameters()})
+    to_device = models.to_device
+    monkeypatch.setattr(models, "to_device", lambda model, *a: converted.append({p.dtype for p in model.parameters()})
                         or to_device(model, *a))
     bf16, f32 = (load_model(c)[0] for c in checkpoints)
     assert read == [torch.bfloat16, torch.float32] and converted == [{torch.bfloat16}, {torch.float32}]
@@ -52,3 +52,16 @@ def test_a_run_from_bfloat16_equals_one_from_float32(workspace, checkpoints, met
     saved = [AutoModelForCausalLM.from_pretrained(workspace / f"load-{method}-{c.name}" / "model") for c in checkpoints]
     for (name, a), b in zip(saved[0].named_parameters(), saved[1].parameters()):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
+
+
+def test_held_from_the_load_a_bfloat16_checkpoint_keeps_no_host_copy(checkpoints):
+    """`run`'s load under --frozen-dtype bfloat16 (`load_model(hold=...)`): every weight bfloat16 on
+    the device, nothing kept on the host for a checkpoint stored in bfloat16, and float32 again, the
+    same values, once exported."""
+    from adept_ext import held
+
+    model = load_model(checkpoints[0], hold=torch.bfloat16)[0]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and held.held_bytes(model) == 0
+    assert held.export_exact(model) == len(list(model.parameters()))
+    exact = load_model(checkpoints[1])[0].state_dict()
+    assert all(v.dtype == torch.float32 and torch.equal(v, exact[k]) for k, v in model.state_dict().items())

@@ -182,7 +182,7 @@ def test_a_concurrent_conversion_of_the_embedded_model_is_not_an_error(tmp_path,
 
 
 def test_a_model_larger_than_the_free_memory_is_refused_before_its_weights_are_read(tmp_path, monkeypatch, capsys):
-    """`check_load_memory`: the bytes loaded in float32 (`loaded_bytes`, every parameter and
+    """`check_load_memory`: the bytes loaded in float32 or held (`loaded_bytes`, every parameter and
     buffer of the saved model, a tied weight once) against the device's free memory; a model that
     does not fit is refused in one line before transformers reads a weight, and `run` writes nothing."""
     from transformers import AutoModelForCausalLM
@@ -197,17 +197,23 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_its_weights_are_r
     assert saved.config.dtype == torch.float32  # counted on a copy: the config still says how it is stored
     monkeypatch.setattr(models, "free_memory", lambda device: need)
     assert load_model(path)[0].config.model_type == "llama"  # it just fits
+    # held in bfloat16 from the load on (`run`): on the CPU beside the float32 values it rounds
+    monkeypatch.setattr(models, "free_memory", lambda device: need + need // 2)
+    assert load_model(path, hold=torch.bfloat16)[0].config.model_type == "llama"
+    monkeypatch.setattr(models, "free_memory", lambda device: need + need // 2 - 1)
+    with pytest.raises(ValueError, match=r"loaded \(bfloat16\) but cpu"):
+        load_model(path, hold=torch.bfloat16)
 
     def no_read(*args, **kwargs):
         raise AssertionError("the weights were read")
 
     monkeypatch.setattr(models, "free_memory", lambda device: need - 1)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_read)
-    with pytest.raises(ValueError, match=r"the model takes 0\.0 GiB in float32 but cpu has 0\.0 GiB free: .*"
+    with pytest.raises(ValueError, match=r"the model takes 0\.0 GiB loaded \(float32\) but cpu has 0\.0 GiB free: "
                                          "use a device with more memory or a smaller model") as e:
         load_model(path)
     assert "\n" not in str(e.value)
     out = tmp_path / "out"
     assert main(["run", "--model", str(path), "--out", str(out), "--no-progress"]) == 2
-    assert "GiB free: runs load the model in float32" in capsys.readouterr().err
+    assert "GiB free: use a device with more memory" in capsys.readouterr().err
     assert not out.exists()

@@ -1,5 +1,5 @@
 """--frozen-dtype nf4: the frozen linear layers of the decoder held in 4 bits (bitsandbytes' NF4,
-double quantisation) during a task, the exact layers back for evaluation, merging and saving; the
+double quantisation) during a task and `run`'s evaluations, the exact layers back for merging and saving; the
 memory estimate counts what is held; refused where it cannot run, before anything is written (the
 option combinations: tests/test_frozen_dtype.py)."""
 import json
@@ -131,12 +131,11 @@ def test_a_run_holds_frozen_layers_in_four_bits_and_saves_exact_weights(workspac
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL)
     mid = [e for e in reports["nf4"]["history"]["eval"] if 0 < e["step"] < 4]
     assert mid and all(e["general_loss"] == e["general_loss"] for e in mid)  # evaluated while held: not NaN
-    held_final, final = reports["nf4"]["final_4bit"], reports["nf4"]["final"]  # as trained, and as saved
-    assert held_final.keys() == final.keys() and held_final != final and "final_4bit" not in reports["float32"]
-    held_base = reports["nf4"]["base_4bit"]  # the base held as the steps hold it
-    assert held_base.keys() == final.keys() and held_base != reports["nf4"]["base"]
-    assert "base_4bit" not in reports["float32"]
-    assert "from the base held the same way" in (workspace / f"nf4-{method}-nf4" / "report.md").read_text()
+    # base and final as the steps saw the model: its frozen layers in 4 bits (the saved model: exact)
+    assert reports["nf4"]["evaluated_held"] == "nf4" and reports["float32"]["evaluated_held"] is None
+    assert reports["nf4"]["base"].keys() == reports["float32"]["base"].keys()
+    assert reports["nf4"]["base"] != reports["float32"]["base"]  # the 4-bit rounding
+    assert "held in nf4 (--frozen-dtype)" in (workspace / f"nf4-{method}-nf4" / "report.md").read_text()
     saved = AutoModelForCausalLM.from_pretrained(workspace / f"nf4-{method}-nf4" / "model")  # plain HF reload
     assert not any(type(m).__name__ == "Linear4bit" for m in saved.modules())
     weights = saved.state_dict()
@@ -164,14 +163,26 @@ def test_a_run_holds_frozen_layers_in_four_bits_and_saves_exact_weights(workspac
         assert untouched and all(torch.equal(weights[k], source[k]) for k in untouched)
 
 
-def test_a_sequence_holds_every_task_s_frozen_layers(workspace, held):
-    report = run_continual(continual_options(workspace, "nf4-seq", method="seq_lora", frozen_dtype="nf4"),
-                           progress=False, log=quiet)
+@pytest.mark.parametrize("bf16", ["off", "on"])
+def test_a_sequence_holds_every_task_s_frozen_layers(workspace, held, monkeypatch, bf16):
+    """In 4 bits during each task's steps; between tasks (the score rows) the model merged on the host
+    and held as loaded (bfloat16 under bf16 autocast), never a 4-bit layer; saved exact."""
+    import adept_ext.continual as continual_module
+
+    evaluations, real = [], continual_module.evaluate
+    monkeypatch.setattr(continual_module, "evaluate", lambda model, *a, **k: evaluations.append(
+        {p.dtype for p in model.parameters()}) or real(model, *a, **k))
+    report = run_continual(continual_options(workspace, f"nf4-seq-{bf16}", method="seq_lora", frozen_dtype="nf4",
+                                             bf16=bf16), progress=False, log=quiet)
     assert len(held) == len(report["tasks"]) >= 2
     assert all("Linear4bit" in h["linear_types"] for h in held)
     assert all(score == score for row in report["matrix"] for score in row)
-    saved = AutoModelForCausalLM.from_pretrained(workspace / "nf4-seq" / "model")
+    assert evaluations and all(d == {torch.bfloat16 if bf16 == "on" else torch.float32} for d in evaluations)
+    saved = AutoModelForCausalLM.from_pretrained(workspace / f"nf4-seq-{bf16}" / "model")
     assert not any(type(m).__name__ == "Linear4bit" for m in saved.modules())
+    source = AutoModelForCausalLM.from_pretrained(workspace / "tiny")
+    kept = {n: p for n, p in saved.named_parameters() if "proj" not in n}  # what no task's adapter changes
+    assert len(kept) > 3 and all(torch.equal(p, source.get_parameter(n)) for n, p in kept.items())
 
 
 def test_a_missing_bitsandbytes_and_a_quantized_source_are_refused(workspace, tmp_path, capsys,
@@ -222,8 +233,8 @@ def test_a_run_killed_inside_the_task_resumes_to_the_uninterrupted_result(worksp
     full, resumed, checkpoint = killed_and_resumed(workspace, monkeypatch, "nf4-lora", method="lora",
                                                    frozen_dtype="nf4")
     assert calls[-2:] == ["check_memory", "load_training_state"]
-    assert checkpoint["base_4bit"] == full["base_4bit"]  # kept, not evaluated again
-    for key in ("base", "base_4bit", "final_4bit", "final"):
+    assert checkpoint["base"] == full["base"]  # kept, not evaluated again
+    for key in ("base", "final"):
         assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(
         [h["loss"] for h in full["history"]["train"]], rel=1e-5)

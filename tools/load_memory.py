@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Host memory while a run loads its model (`models.load_model`): a random-weight Llama of about
 1.1B parameters is saved as bfloat16 safetensors in shards, then loaded in a fresh process onto
-`--device` in float32, as every run loads it. A sampler thread reads the process's anonymous
+`--device` in float32, as `continual` loads it, or with `--hold bfloat16` held in bfloat16, as `run`
+loads it under --frozen-dtype bfloat16 or nf4 with bf16 autocast. A sampler thread reads the process's anonymous
 resident memory (`RssAnon` in /proc/self/status) every 5 ms; the growth is its peak minus what the
 process held before loading. On the CPU the host is the device and holds the float32 weights; on a
 GPU the host should hold little more than the tensor being converted (the shards are mapped, not
 read into anonymous memory). Prints one JSON line, in GiB, with the weights as loaded and the
 largest shard.
 
-    python tools/load_memory.py [--dir /tmp/load-memory] [--shard-size 1GB] [--device cpu|cuda]
+    python tools/load_memory.py [--dir /tmp/load-memory] [--shard-size 1GB] [--device cpu|cuda] [--hold bfloat16]
 """
 import argparse
 import contextlib
@@ -62,16 +63,19 @@ def save_model(path: Path, shard_size: str):
     AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m")).save_pretrained(path)
 
 
-def measure(path: Path, device: str):
+def measure(path: Path, device: str, hold: str):
+    import torch
+
     from adept_ext.models import load_model
 
     before, before_file = rss(), rss("RssFile")
     with sampled_peak() as peak:
-        model = load_model(path, device=device)[0]
+        model = load_model(path, device=device, hold=getattr(torch, hold) if hold else None)[0]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     shard = max(f.stat().st_size for f in path.glob("*.safetensors"))
     growth = peak[0] - before
-    print(json.dumps({"device": device, "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    print(json.dumps({"device": device, "hold": hold or None,
+                      "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                       "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
                       "weights_gib": round(weights / GIB, 3), "largest_shard_gib": round(shard / GIB, 3),
                       "host_rss_anon_growth_gib": round(growth / GIB, 3),
@@ -83,15 +87,18 @@ def main():
     parser.add_argument("--dir", default="/tmp/load-memory", help="where the random model is saved (kept)")
     parser.add_argument("--shard-size", default="1GB", help="save_pretrained's max_shard_size")
     parser.add_argument("--device", default="cpu", help="where the model is loaded (cpu, cuda)")
+    parser.add_argument("--hold", default="", choices=["", "bfloat16"],
+                        help="hold the weights in this dtype (run's load)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     path = Path(args.dir)
     if args.measure:
-        return measure(path, args.device)
+        return measure(path, args.device, args.hold)
     if not (path / "config.json").exists():
         save_model(path, args.shard_size)
     # in a fresh process: nothing the saving freed is counted
-    subprocess.run([sys.executable, __file__, "--dir", str(path), "--device", args.device, "--measure"], check=True)
+    subprocess.run([sys.executable, __file__, "--dir", str(path), "--device", args.device, "--hold", args.hold,
+                    "--measure"], check=True)
 
 
 if __name__ == "__main__":

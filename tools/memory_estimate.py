@@ -6,8 +6,9 @@ originals frozen; LoRA: rank-r PEFT adapters; full: everything), the frozen weig
 float32, bfloat16 or NF4 (`--frozen-dtype`; nf4: the frozen linear layers at `quantize.nf4_bytes`,
 the other frozen weights in bfloat16) and the optimizer's moments in float32 or 8 bits (`--optim`).
 Prints one JSON line per setting, in GiB, per GPU, with what loading the model takes on the device
-(`load_gib`: runs load it in float32 and hold the frozen weights only once a task starts,
-`models.check_load_memory`).
+(`load_gib`, `models.check_load_memory`: the runners hold the weights in bfloat16 from the load on
+under --frozen-dtype bfloat16 or nf4, the decoder's linear layers in 4 bits once a task starts;
+with float32 frozen weights the model loads in float32).
 
     python tools/memory_estimate.py [--shape llama-3.1-8b] [--batch-size 1] [--max-length 4096] [--k 4]
 """
@@ -20,10 +21,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from adept_ext.expand import expand_layers
+from adept_ext.held import release as release_frozen
 from adept_ext.methods.lora import add_lora
 from adept_ext.models import loaded_bytes
 from adept_ext.quantize import frozen_linears, nf4_bytes
-from adept_ext.training.device import hold_frozen, memory_estimate, release_frozen
+from adept_ext.training.device import hold_frozen, memory_estimate
 
 SHAPES = {  # the published configs' shapes (no download)
     "llama-3.1-8b": lambda: LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -57,7 +59,8 @@ def main():
     parser.add_argument("--lora-rank", type=int, default=8)
     args = parser.parse_args()
     gib = 2**30
-    load = round(loaded_bytes(SHAPES[args.shape](), torch.float32) / gib, 1)
+    load = {frozen: round(loaded_bytes(SHAPES[args.shape](), dtype) / gib, 1)
+            for frozen, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("nf4", torch.bfloat16))}
     for method in ("adept", "lora", "full"):
         model, trainable = trainable_model(args.shape, method, args.k, args.lora_rank)
         for frozen, checkpointing, optim in itertools.product(("float32", "bfloat16", "nf4"), (False, True),
@@ -77,7 +80,7 @@ def main():
                               "trainable_b": round(trainable / 1e9, 3),
                               "batch": f"{args.batch_size} x {args.max_length}",
                               **{k: round(v / gib, 1) for k, v in estimate.items()},
-                              "total_gib": round(sum(estimate.values()) / gib, 1), "load_gib": load}))
+                              "total_gib": round(sum(estimate.values()) / gib, 1), "load_gib": load[frozen]}))
 
 
 if __name__ == "__main__":

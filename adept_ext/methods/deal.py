@@ -29,6 +29,7 @@ base weights never change, the adapter is applied by forward hooks between tasks
 finished model's `save_pretrained`, beside the base weights; `load_adapter` puts it back on the
 reloaded model. θ is folded into A after each task.
 """
+import copy
 import math
 import types
 from dataclasses import dataclass
@@ -150,10 +151,18 @@ def _mlp_on_output(mlp):
 
 
 def _adapter_on_output(a, b, scaling, mlp):
-    """A forward hook adding s·B·MLP(A x) (s·B·A x without an MLP) to a projection's output."""
+    """A forward hook adding s·B·MLP(A x) (s·B·A x without an MLP) to a projection's output, on the
+    input's device (the adapter is attached where the task ends, on the host under held weights)."""
+    placed = {}
+
     def hook(module, inputs, output):
-        z = F.linear(inputs[0].to(a.dtype), a)
-        return output + scaling * F.linear(mlp(z) if mlp is not None else z, b).to(output.dtype)
+        x = inputs[0]
+        if x.device not in placed:
+            moved = copy.deepcopy(mlp).to(x.device) if mlp is not None else None
+            placed[x.device] = a.to(x.device), b.to(x.device), moved
+        a_, b_, mlp_ = placed[x.device]
+        z = F.linear(x.to(a_.dtype), a_)
+        return output + scaling * F.linear(mlp_(z) if mlp_ is not None else z, b_).to(output.dtype)
     return hook
 
 

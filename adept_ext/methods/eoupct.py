@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import parallel
+from .. import held, parallel
 from ..ops import conflict_correct_, null_space_coeffs
 from ..projection import GradientMemory, NullSpaceProjector
 from .base import Method, MethodConfig, MethodError, Setup, option, register, train_only
@@ -244,8 +244,9 @@ class EoupCT(Method):
             for name, layer in lora_adapters(self.model):
                 a = self.adapter[f"{name}.lora_A.default.weight"]
                 b = self.adapter[f"{name}.lora_B.default.weight"]
-                w = layer.base_layer.weight
-                w.sub_(((b @ a) * layer.scaling["default"]).to(w.dtype))
+                w = layer.base_layer.weight  # shifted exactly where the runner holds it in bfloat16
+                exact = held.exact_value(self.model, w).to(b.device)
+                held.assign(self.model, w, exact.float() - (b @ a).float() * layer.scaling["default"])
         self.base_shifted = True
 
     def attach(self, optimizer):
@@ -363,7 +364,7 @@ class EoupCT(Method):
         if self.config.memory == "delta":
             start = ([self.adapter[n] for n in self.names] if self.teacher is None
                      else [dict(self.teacher.named_parameters())[n] for n in self.names])
-            return [[p.detach() - s for p, s in zip(self.trainable, start)]]
+            return [[p.detach() - s.to(p.device) for p, s in zip(self.trainable, start)]]
         stacked = [torch.stack([w[i] for w in self.windows]) for i in range(len(self.trainable))]
         gram = torch.stack([null_space_coeffs(stacked, [w.contiguous() for w in window]) for window in self.windows])
         values, vectors = torch.linalg.eigh((gram + gram.T) / 2)
@@ -372,6 +373,8 @@ class EoupCT(Method):
         return [[torch.tensordot(vectors[:, j].to(s.dtype), s, dims=1) for s in stacked] for j in keep]
 
     def end_task(self, model, out, report: Dict):
+        device = self.trainable[0].device  # the host where the runner merges the held model's task
+        self.windows = [[w.to(device) for w in window] for window in self.windows]
         for h in self._handles:
             h.remove()
         if self._projector is not None:

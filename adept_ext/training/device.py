@@ -5,7 +5,7 @@ from typing import Collection, Dict
 
 import torch
 
-from .. import parallel, quantize
+from .. import held, parallel, quantize
 from ..optim import moment_bytes, step_bytes
 from ..errors import RunError
 from ..lm_loss import uses_fused_loss
@@ -44,52 +44,39 @@ def frozen_dtype_for(cfg, bf16: bool) -> torch.dtype:
     return torch.bfloat16 if cfg.frozen_dtype in ("auto", "nf4") and bf16 and cfg.parallel != "fsdp2" else torch.float32
 
 
-_EXACT = "_adept_exact_frozen"  # model.__dict__ entry: [(parameter, its dtype, exact host tensor or None)]
-
-
 def hold_frozen(model, dtype: torch.dtype, keep: Collection[torch.nn.Parameter] = ()) -> int:
     """Hold every floating-point parameter of `model` that does not require grad, but those in
-    `keep`, in `dtype` (the Parameter objects stay, their data is replaced) until `release_frozen`;
-    returns how many are held. Where the cast rounds (a float32 checkpoint's weights in bfloat16),
-    the exact value is kept on the host; a weight the cast keeps exactly (a checkpoint published in
-    bfloat16) keeps nothing. So evaluation, merging and saving after the steps see the weights the
-    task started from, bit for bit (docs/design.md, "Precision")."""
+    `keep`, in `dtype` until `held.release` (`held.hold`: the exact value on the host where the cast
+    rounds); returns how many the model holds. So evaluation, merging and saving after the steps can
+    see the weights the task started from, bit for bit (docs/design.md, "Precision")."""
     kept = {id(p) for p in keep}
-    held = model.__dict__.setdefault(_EXACT, [])
-    for p in model.parameters():
-        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype and id(p) not in kept:
-            data = p.data.to(dtype)
-            lossless = p.is_meta or torch.equal(data.to(p.dtype), p.data)  # a meta tensor has no value to keep
-            exact = None if lossless else p.data.to("cpu")  # on the CPU: no copy
-            held.append((p, p.dtype, exact))
-            p.data = data
-    return len(held)
+    return held.hold(model, [p for p in model.parameters() if not p.requires_grad and id(p) not in kept], dtype)
 
 
-def release_frozen(model) -> int:
-    """Every parameter `hold_frozen` held back in its dtype, exact (from the host where the cast
-    rounded); returns how many."""
-    held = model.__dict__.pop(_EXACT, [])
-    for p, dtype, exact in held:
-        p.data = p.data.to(dtype) if exact is None else exact.to(p.device)
-    return len(held)
-
-
-def release_held(model):
-    """Everything held put back exact: the 4-bit layers (`quantize.release_nf4`), then the weights
-    `hold_frozen` held (in that order: a 4-bit layer's exact weights never passed through the cast)."""
+def release_held(model, since: int = 0):
+    """Everything held put back exact on the device: the 4-bit layers (`quantize.release_nf4`), then
+    the weights held after the first `since` records (`held.release`)."""
     quantize.release_nf4(model)
-    release_frozen(model)
+    held.release(model, since)
+
+
+def export_held(model):
+    """The whole model on the host, every held weight exact there (the 4-bit layers put back there,
+    `quantize.release_nf4`, then `held.export_exact`), never in float32 on the device: for merging
+    and saving after `run`'s task."""
+    quantize.release_nf4(model, "cpu")
+    held.export_exact(model, "cpu")
 
 
 @contextmanager
 def held_as_frozen(model, cfg, bf16: bool):
     """The whole model held as a task holds the weights that do not train, as if none trained
     (`hold_frozen` at `frozen_dtype_for`; with --frozen-dtype nf4 every linear layer of the decoder
-    in 4 bits, `quantize.hold_nf4`, quantised from its exact weights), exact again on exit: the base
-    model as the steps will see it."""
+    in 4 bits, `quantize.hold_nf4`, quantised from its exact weights), as before on exit (what the
+    load held stays held): the base model as the steps will see it."""
     trains = [p.requires_grad for p in model.parameters()]
     nf4 = cfg.frozen_dtype == "nf4"
+    since = len(held.records(model))  # what was held before (from the load on) stays held
     try:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -98,7 +85,7 @@ def held_as_frozen(model, cfg, bf16: bool):
             quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
         yield model
     finally:
-        release_held(model)
+        release_held(model, since)
         for p, grad in zip(model.parameters(), trains):
             p.requires_grad_(grad)
 
@@ -106,9 +93,7 @@ def held_as_frozen(model, cfg, bf16: bool):
 def exact_host_bytes(model) -> int:
     """Bytes of the exact values kept on the host while weights are held (`hold_frozen`, and the
     layers `quantize.hold_nf4` replaced): on the CPU, the same memory as the device's."""
-    rounded = sum(exact.numel() * exact.element_size() for _, _, exact in model.__dict__.get(_EXACT, [])
-                  if exact is not None)
-    return rounded + quantize.exact_bytes(model)
+    return held.held_bytes(model) + quantize.exact_bytes(model)
 
 
 def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1,

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 from tqdm.auto import tqdm
 
-from .. import lm_loss, parallel, quantize
+from .. import held, lm_loss, parallel, quantize
 from ..data import check_labels
 from ..lm_loss import base_model, next_token_loss
 from ..models import adapter
@@ -18,7 +18,7 @@ from ..methods.task import Task, prepare
 from ..ops.torch_internals import uncompile_module
 from ..optim import make_optimizer
 from .checkpoint import load_training_state, remove_stale_shards, save_sharded_state, shard, training_state
-from .device import check_memory, frozen_dtype_for, hold_frozen, peak_memory_mb, release_held
+from .device import check_memory, export_held, frozen_dtype_for, hold_frozen, peak_memory_mb, release_held
 from .loader import batch_loader
 from .rundir import CHECKPOINT, atomic_write
 
@@ -47,8 +47,8 @@ def to_device(batch: Dict[str, torch.Tensor], device: torch.device, vocab: int) 
 def evaluate(model, batches, device, desc="eval", progress=True, loss_implementation: str = "auto") -> float:
     """Token-weighted mean next-token loss on `batches` (`lm_loss.next_token_loss`: fused on a
     plain linear head unless `loss_implementation` is "hf"); under bf16 autocast while the model
-    holds bfloat16 weights (`--frozen-dtype`: an evaluation in the middle of a task)."""
-    device, bf16 = torch.device(device), any(p.dtype == torch.bfloat16 for p in model.parameters())
+    holds bfloat16 weights (`held.autocast_for`: `run`'s evaluations, and one during a task)."""
+    device = torch.device(device)
     vocab = vocab_size(model)
     was_training = model.training
     model.eval()
@@ -57,7 +57,7 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             n = int((batch["labels"][:, 1:] != -100).sum())
             batch = to_device(batch, device, vocab)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with held.autocast_for(model, device):
                 total += float(next_token_loss(model, batch, loss_implementation)) * n
             count += n
     finally:
@@ -123,12 +123,13 @@ class TaskHooks:
         """The runner's own entries of an in-task checkpoint."""
         return {}
 
-    def trained_in_4bit(self, step: int):
-        """After the last step with --frozen-dtype nf4, on the model as trained, its frozen layers still
-        in 4 bits (then `trained`, on the exact layers)."""
-
     def trained(self, step: int):
-        """After the last step, on the model as trained (sharded under FSDP2), before finish."""
+        """After the last step, on the model as trained (sharded under FSDP2; under fit_task's `to_host`
+        its frozen weights still held), before finish."""
+
+    def unsharded(self, step: int):
+        """After `trained` and the unshard, on the whole model as trained (still held under `to_host`),
+        before finish: what one rank may do alone (`run`'s benchmarks)."""
 
 
 def step_items(micro_batches, world: int) -> torch.Tensor:
@@ -219,27 +220,35 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
              general_probe, domain_probe=(), task_index: int = 0, diagnosis_batches=None,
              checkpoint: Optional[Dict] = None,
              hooks: TaskHooks = TaskHooks(), artifacts: Optional[Path] = None, report: Optional[Dict] = None,
-             tracker=None, step_offset: int = 0, progress: bool = True, log=logger.info) -> Dict:
+             tracker=None, step_offset: int = 0, progress: bool = True, to_host: bool = False,
+             log=logger.info) -> Dict:
     """One task, start to finish: `methods.prepare` (the layers of `checkpoint` when resuming
     inside the task), the memory check for what trains, shard (FSDP2) or wrap (DDP), the
     optimizer, the state of `checkpoint`, `cfg.steps` steps over `batches(task)` with the
     losses appended to `history["train"]` and sent to `tracker` from step `step_offset` (every
     `cfg.save_every` steps an in-task checkpoint into `out`, `history` in it as "task_history";
     Ctrl-C saves one too when it can), unshard, and `task.finish` (plots into `artifacts`,
-    entries into `report`). Returns {"model": the finished model, "task", "step", "trainable":
+    entries into `report`). The weights that do not train are held (`hold_frozen`; in 4 bits with
+    --frozen-dtype nf4) through the steps; then put back exact on the device, or with `to_host`
+    kept held for `hooks.trained` (the evaluation of the model as trained) and then made exact on
+    the host for finish (`export_held`: merging and saving there, the device never holding them in
+    float32). Returns {"model": the finished model, "task", "step", "trainable":
     the trainable parameter count, "memory_estimate_mb": the memory check's estimate for the steps,
     per part and in total}."""
     main = parallel.is_main()
+    if method.trains_every_weight:  # nothing stays frozen to hold; OSF's SVD and eoupct's teacher read exact weights
+        held.release(model)
     task = prepare(model, method, general_probe=general_probe, domain_probe=domain_probe, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, total_steps=cfg.steps, seed=cfg.seed, task_index=task_index,
                    autocast_dtype=torch.bfloat16 if bf16 else None, diagnosis_batches=diagnosis_batches,
                    layers=checkpoint["layers"] if checkpoint else None,
                    loss_implementation=cfg.loss_implementation, progress=progress, log=log)
+    held.release(model, trainable_only=True)  # what the load held and the method now trains: float32, exact
     n_trainable = sum(p.numel() for p in task.trainable)
     frozen = frozen_dtype_for(cfg, bf16)
     nf4 = cfg.frozen_dtype == "nf4"
     to_hold = quantize.frozen_linear_parameters(model) if nf4 else []
-    try:  # from here on the weights are held: put back exact whatever fails, the hold included, or the steps
+    try:  # from here on the weights are held: made exact whatever fails, the hold included, or the steps
         if hold_frozen(model, frozen, keep=to_hold) and frozen != torch.float32:  # nf4: held below, from float32
             log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
         shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
@@ -256,9 +265,9 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         else:
             trained = parallel.wrap(model, device)
         optimizer, scheduler = optimizer_for(task, cfg)
-        if nf4:  # after the optimizer's hooks (ADEPT scores its source layers there, on their exact weights)
-            held = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
-            log(f"{desc}: {held} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
+        if nf4:  # after the optimizer's hooks (ADEPT scores its source layers there, before they are in 4 bits)
+            n_4bit = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
+            log(f"{desc}: {n_4bit} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
             # and before a checkpoint's optimizer state loads: the check counts that state, not yet allocated
             estimate = check_memory(cfg, model, bf16, n_trainable, shards)
         step = 0
@@ -287,8 +296,6 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
         try:
             train_steps(trained, task, optimizer, scheduler, batches(task), cfg, device, bf16, history, step, desc,
                         progress, after_step=after_step, tracker=tracker, step_offset=step_offset)
-            if nf4:
-                hooks.trained_in_4bit(step)
         except KeyboardInterrupt:
             if parallel.is_sharded(model):  # saving is a collective the other ranks may never join
                 log(f"interrupted in {desc} at step {step}: continue from the last checkpoint in {out} with --resume")
@@ -296,14 +303,24 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
                 save_checkpoint(step)
                 log(f"interrupted in {desc} at step {step}: checkpoint saved in {out}; continue with --resume")
             raise
-    finally:  # the exact weights again: evaluation, finish (merges, saving) and the next task see
+    except BaseException:  # no 4-bit layer is left behind: exact on the device (under to_host: the 4-bit
+        if to_host:  # layers put back on the host, the rest left held, without a float32 copy on the device)
+            quantize.release_nf4(model, "cpu")
+        else:
+            release_held(model)
+        raise
+    if not to_host:  # the exact weights again: evaluation, finish (merges, saving) and the next task see
         release_held(model)  # those the task started from, in float32
     if cfg.compile:  # evaluation and the next task run eager: no recompilation for no_grad or new adapters
         compile_layers(model, False)
+    model.zero_grad(set_to_none=True)  # the last step's gradients: not kept through evaluation and the export
     hooks.trained(step)
     if cfg.gradient_checkpointing:
         activation_checkpointing(model, False)
     parallel.unshard_model(model)  # FSDP2: the whole weights on every rank again (a collective), for finish
+    hooks.unsharded(step)
+    if to_host:
+        export_held(model)
     finished = task.finish(artifacts, report)
     return {"model": finished, "task": task, "step": step, "trainable": n_trainable,
             "memory_estimate_mb": {part: round(n / 2**20) for part, n in estimate.items()}}

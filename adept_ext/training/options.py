@@ -87,9 +87,9 @@ class TrainOptions:
         "through bitsandbytes, double quantisation, for the frozen linear layers of the decoder: LoRA's base, "
         "ADEPT's and LLaMA-Pro's originals, freeze_deep's deep block; the other frozen weights as auto; not with "
         "fsdp2, --compile or a method that trains every weight); trainable weights and gradients stay float32 (AdamW's "
-        "state too, unless --optim is 8-bit), and the exact weights are back for evaluation, merging and saving (those "
-        "the task started from, kept on the host meanwhile wherever holding rounds them, so nothing saved carries a "
-        "rounding error)"))
+        "state too, unless --optim is 8-bit). The exact weights are kept on the host wherever holding rounds them, so "
+        "nothing saved carries a rounding error: the runners hold them from the load on, evaluate the model as the "
+        "steps see it (continual's rows: bfloat16, not 4 bits) and merge and save on the host"))
     device: str = option("auto", help="auto, cpu or cuda")
     parallel: str = option("ddp", help=(
         "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and optimizer state "
