@@ -62,7 +62,9 @@ def test_merged_model_equals_the_unmerged_deal_model(settings, tmp_path):
     merged.save_pretrained(tmp_path / "m")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert not any("lora" in n or "parametrizations" in n for n in plain.state_dict())
-    torch.testing.assert_close(logits(plain, batches), unmerged, atol=1e-5, rtol=0)
+    # float32 merged (W + s·B·A) against unmerged (W x + s·B(A x)): the sums are ordered differently;
+    # up to 1.02e-5 measured on a CPU without AVX-512, against differences of 1e-3 and more above
+    torch.testing.assert_close(logits(plain, batches), unmerged, atol=3e-5, rtol=0)
     # The kept factors are the adapted ones: the next task starts from this merged model exactly.
     method.prepare(plain, Context(general_probe=[]))
     assert torch.equal(logits(method.peft_model, batches), logits(merged, batches))
