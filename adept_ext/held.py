@@ -70,12 +70,12 @@ def release(model, since: int = 0, trainable_only: bool = False) -> int:
     """Put back exact, on its device, every parameter held after the first `since` records (only
     those that now train where `trainable_only`); returns how many."""
     held = records(model)
-    kept = held[:since] + [r for r in held[since:] if trainable_only and not r[0].requires_grad]
-    for p, dtype, exact in held[since:]:
-        if not (trainable_only and not p.requires_grad):
-            p.data = (p.data if exact is None else exact).to(p.device, dtype)
-    model.__dict__[_EXACT] = kept
-    return len(held) - len(kept)
+    released = [r for r in held[since:] if r[0].requires_grad or not trainable_only]
+    for p, dtype, exact in released:
+        p.data = (p.data if exact is None else exact).to(p.device, dtype)
+    gone = {id(r) for r in released}
+    model.__dict__[_EXACT] = [r for r in held if id(r) not in gone]
+    return len(released)
 
 
 def export_exact(model, device="cpu") -> int:
