@@ -155,7 +155,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         model, tokenizer = load_model(cfg.model, device=device, attn_implementation=cfg.attn_implementation, hold=hold)
         method.check(model)
         if cfg.packing:
-            check_packing(model)
+            check_packing(model, cfg.batch_size, torch.bfloat16 if bf16 else None)  # as the steps run
         loss = loss_path(model, cfg.loss_implementation)
         workers = data_workers(cfg)
         with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache

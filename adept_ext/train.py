@@ -321,7 +321,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
                                       hold=hold)
         method.check(model)
         if cfg.packing:
-            check_packing(model)
+            check_packing(model, cfg.batch_size, torch.bfloat16 if bf16 else None)  # as the steps run
         loss = loss_path(model, cfg.loss_implementation)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e

@@ -156,12 +156,65 @@ def ignore_position_ids(model):
     return model
 
 
-def test_a_model_whose_attention_crosses_documents_is_refused():
-    model = ignore_position_ids(tiny_model("llama"))
-    assert "lets packed documents see each other" in packing_reason(model)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_packing_check_passes_every_architecture_and_refuses_attention_across_documents(dtype):
+    """Independent of precision: every architecture held in `dtype` (bf16's rounding refused them under a
+    tolerance on packed vs alone logits) passes; dropping the position ids (dense causal attention over
+    each row) is refused, in both precisions."""
+    autocast = torch.bfloat16 if dtype == torch.bfloat16 else None
+    for arch in ARCHS:
+        assert packing_reason(tiny_model(arch).to(dtype), 3, autocast) is None, arch
+    model = ignore_position_ids(tiny_model("llama").to(dtype))
+    assert "lets packed documents see each other" in packing_reason(model, 2, autocast)
     with pytest.raises(InputError, match="--packing cannot be used with this model"):
-        check_packing(model)
-    check_packing(tiny_model("llama"))
+        check_packing(model, 2, autocast)
+
+
+def rows_or_varlen_flash(module, query, key, value, attention_mask, scaling=None, position_ids=None, **kwargs):
+    """Flash attention's dispatch in transformers (`_flash_attention_forward` without a mask): per document
+    (its variable-length path) for one row whose position ids restart, else dense causal over each row."""
+    batch, _, length, _ = query.shape
+    segment = torch.zeros(batch, length, dtype=torch.long)
+    if position_ids is not None and batch == 1:
+        segment = (position_ids == 0).long().cumsum(-1)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = causal & (segment[:, :, None] == segment[:, None, :])
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None],
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def flash_like():
+    """A tiny Llama whose attention dispatches like flash attention (registered as "rows_or_varlen")."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
+
+    AttentionInterface.register("rows_or_varlen", rows_or_varlen_flash)
+    AttentionMaskInterface.register("rows_or_varlen", flash_attention_mask)
+    model = tiny_model("llama").train()
+    model.set_attn_implementation("rows_or_varlen")
+    return model
+
+
+def test_packed_rows_are_flattened_into_one_row_for_flash_attention(flash_like, monkeypatch):
+    """Several packed rows under a flash-like backend train as one flattened row [1, B·L], so the loss
+    and gradients equal the unpacked documents'; left as B rows they attend across documents (refused)."""
+    import adept_ext.lm_loss as lm_loss
+
+    _, packed, unpacked = packed_and_unpacked()
+    assert packed["input_ids"].shape[0] > 1
+    n = int((unpacked["labels"][:, 1:] != -100).sum())
+    assert lm_loss.packed_layout(flash_like, packed)["input_ids"].shape == (1, packed["input_ids"].numel())
+    assert lm_loss.packed_layout(tiny_model("llama"), packed) is packed  # sdpa: each row masks its documents
+    assert packing_reason(flash_like) is None
+    for implementation in ("fused", "hf"):
+        (loss_p, grad_p), (loss_u, grad_u) = (loss_and_grads(flash_like, b, implementation, n)
+                                              for b in (packed, unpacked))
+        assert abs(float(loss_p - loss_u)) <= 1e-5 * float(loss_u), implementation
+        assert float((grad_p - grad_u).abs().max()) <= 1e-5 * float(grad_u.abs().max()), implementation
+    monkeypatch.setattr(lm_loss, "packed_layout", lambda model, batch: batch)  # rows as they are: refused
+    assert "lets packed documents see each other" in packing_reason(flash_like)
 
 
 def test_a_large_corpus_gives_the_document_rows_of_the_same_texts_in_memory(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ placed into rows of `max_length` tokens by best-fit decreasing, each keeping its
   (the model shifts labels, so no token is trained to predict the next document). This is Hugging
   Face's `DataCollatorWithFlattening` contract: given position ids and no attention mask, transformers'
   masking_utils (`find_packed_sequence_indices`) confines sdpa's and eager attention to each document
-  (a block-diagonal causal mask), and flash-attention's variable-length path reads the same ids.
+  (a block-diagonal causal mask); flash attention's variable-length path reads the same ids in one row
+  only, so the loss flattens a micro-batch of packed rows for it (`lm_loss.packed_layout`).
 """
 from bisect import bisect_left, insort
 from heapq import heappop, heappush
