@@ -87,6 +87,23 @@ def test_train_on_prompt_trains_on_every_token_and_still_scores_the_answers(work
     assert plain.replies and everything.replies
 
 
+def test_train_on_prompt_holds_out_no_training_example_when_truncation_skips_differently(workspace, tmp_path):
+    """keep_start at 48 tokens cuts the answer off the long conversations: labelled on every token they
+    are kept, scored on the answer they are skipped; the split is over the examples both keep, so no
+    held-out row is a training row, and the held-out rows are the answer-labelled ones."""
+    chats = [{"messages": [{"role": "user", "content": f"Colour {i}?" + " more" * (i % 4) * 6},
+                           {"role": "assistant", "content": f"shade {i}"}]} for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
+    tokenizer = load_model(workspace / "tiny")[1]
+    (task,) = load_tasks(str(tmp_path / "chat.jsonl"), tokenizer, 48, 0, train_on_prompt=True,
+                         truncation_mode="keep_start")
+    train, held = task.train.tensors(), task.held.tensors()
+    trained = {tuple(row.tolist()) for row in train["input_ids"]}
+    assert len(held["input_ids"]) and not any(tuple(row.tolist()) in trained for row in held["input_ids"])
+    assert (held["labels"] != -100).sum() < (held["attention_mask"] == 1).sum()  # scored on the answers
+    assert len(train["input_ids"]) + len(held["input_ids"]) < len(chats)  # the answer view skipped some
+
+
 def test_a_conversational_task_is_scored_by_its_greedy_reply_through_the_end_of_turn(workspace):
     """A conversational example is right exactly when `model.generate` (greedy, through the
     template's generation prompt, stopping at the end-of-turn token) returns the reference reply

@@ -131,7 +131,7 @@ def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, max_le
     a labelled token to predict is skipped (`truncation`), and InputError naming `source` when
     every one is."""
     check_mode(truncation_mode)
-    rows, labels, counts = [], [], Truncation(len(conversations))
+    rows, labels, counts, examples = [], [], Truncation(len(conversations)), []
     for n, messages in enumerate(conversations):
         place = where[n] if n < len(where) else f"conversation {n + 1}"
         text, spans = assistant_spans(tokenizer, messages, template, place)
@@ -147,6 +147,7 @@ def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, max_le
         counts.truncated += len(marks) < len(ids)
         rows.append(ids[keep])
         labels.append(marks)
+        examples.append(n)
     counts.check(source, f"none keeps an assistant token to train on within --max-length {max_length} "
                          f"(truncation_mode {truncation_mode}); raise --max-length or choose the other truncation_mode")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -155,4 +156,4 @@ def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, max_le
     for i, row in enumerate(labels):
         labelled[i, :len(row)] = torch.tensor(row, dtype=torch.bool)
     return ExampleBlocks({"input_ids": input_ids, "attention_mask": attention_mask,
-                          "labels": input_ids.masked_fill(~labelled, -100)}, counts)
+                          "labels": input_ids.masked_fill(~labelled, -100)}, counts, examples)

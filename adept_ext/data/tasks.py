@@ -201,8 +201,8 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, max_lengt
     check_mode(truncation_mode)
     eos, bos = tokenizer.eos_token_id, [document_bos(tokenizer)]
     bos = [] if bos == [None] else bos
-    rows, answer_starts, counts, longest = [], [], Truncation(len(examples)), 0
-    for prompt, answer in examples:
+    rows, answer_starts, counts, longest, kept_examples = [], [], Truncation(len(examples)), 0, []
+    for n, (prompt, answer) in enumerate(examples):
         a = tokenizer(answer, add_special_tokens=False)["input_ids"]
         a += [eos] if eos is not None and a[-1:] != [eos] else []  # never a second EOS (as TRL)
         longest = max(longest, len(a))
@@ -214,6 +214,7 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, max_lengt
         counts.truncated += len(p) < len(whole) + len(bos)
         rows.append(p + a)
         answer_starts.append(len(p))
+        kept_examples.append(n)
     counts.check(source, f"each answer with its EOS takes --max-length {max_length} tokens or more (the longest "
                          f"{longest}), which leaves no room for the prompt; raise --max-length")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -221,7 +222,7 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, max_lengt
     positions = torch.arange(max_length)
     labelled = ((positions >= torch.tensor(answer_starts)[:, None]) | train_on_prompt) & (attention_mask == 1)
     return ExampleBlocks({"input_ids": input_ids, "attention_mask": attention_mask,
-                          "labels": input_ids.masked_fill(~labelled, -100)}, counts)
+                          "labels": input_ids.masked_fill(~labelled, -100)}, counts, kept_examples)
 
 
 def is_conversational_file(path: Path) -> bool:
@@ -299,19 +300,31 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
         return Task(name, kind, *split_views(corpus_blocks(source, tokenizer, block_len, workers, documents), seed,
                                              f"task {name!r}"))
 
-    def labelled(on_prompt: bool):
+    def labelled(on_prompt: bool) -> TensorBlocks:
         if examples is None:  # a JSONL file's records
             return instruction_file_blocks(path, tokenizer, block_len, chat_template, on_prompt, truncation_mode)
         return TensorBlocks(instruction_blocks(examples, tokenizer, block_len, on_prompt, truncation_mode,
                                                f"task {name!r}"))
 
-    blocks = labelled(train_on_prompt)
-    if len(blocks) < 2:
-        raise InputError(f"task {name!r}: {len(blocks)} example(s); at least 2 are needed to hold one out")
-    train, held = split_views(blocks, seed, f"task {name!r}")
-    if train_on_prompt:  # scored on the answers alone: the same held-out examples, labelled on the answer
-        held = split_views(labelled(False), seed, f"task {name!r}")[1]
+    trained = labelled(train_on_prompt)
+    scored = labelled(False) if train_on_prompt else trained  # held-out rows are scored on the answers alone
+    train, held = split_examples(trained, scored, seed, f"task {name!r}")
     return Task(name, kind, train, held, replies=examples is None and is_conversational_file(path))
+
+
+def split_examples(trained: TensorBlocks, scored: TensorBlocks, seed: int, what: str) -> Tuple[BlockSet, BlockSet]:
+    """(train, held-out) views of one task's examples labelled two ways: `trained` as training labels
+    them, `scored` as held-out rows are scored (`--train-on-prompt`: on the answers alone). Truncation
+    may skip different examples in the two; only those both keep are split (`split_views`, once), so
+    a held-out row's example is never a training row's. InputError naming `what` for fewer than 2."""
+    if scored is not trained:
+        kept_too = set(scored.blocks.examples)
+        both = [e for e in trained.blocks.examples if e in kept_too]
+        trained, scored = (TensorBlocks(b.blocks.of_examples(both)) for b in (trained, scored))
+    if len(trained) < 2:
+        raise InputError(f"{what}: {len(trained)} example(s); at least 2 are needed to hold one out")
+    train, held = split_views(trained, seed, what)
+    return train, BlockSet(scored, held.indices)
 
 
 def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",

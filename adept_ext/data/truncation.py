@@ -13,6 +13,8 @@ of it is dropped.
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Sequence
 
+import torch
+
 from ..errors import InputError
 
 MODES = ("keep_end", "keep_start")
@@ -40,11 +42,18 @@ class Truncation:
 
 class ExampleBlocks(dict):
     """Blocks of examples ({input_ids, attention_mask, labels} [n, max_length]) with their
-    `truncation` counts; `blocks.TensorBlocks` keeps them."""
+    `truncation` counts and `examples`, the index in the source of each block's example (those not
+    skipped, in order); `blocks.TensorBlocks` keeps them."""
 
-    def __init__(self, tensors: Dict, truncation: Truncation):
+    def __init__(self, tensors: Dict, truncation: Truncation, examples: Sequence[int]):
         super().__init__(tensors)
-        self.truncation = truncation
+        self.truncation, self.examples = truncation, list(examples)
+
+    def of_examples(self, examples: Sequence[int]) -> "ExampleBlocks":
+        """The blocks of those source examples (each one of `self.examples`), in that order."""
+        row = {e: i for i, e in enumerate(self.examples)}
+        index = torch.tensor([row[e] for e in examples], dtype=torch.long)
+        return ExampleBlocks({k: v[index] for k, v in self.items()}, self.truncation, examples)
 
 
 def check_mode(mode: str):
