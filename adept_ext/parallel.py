@@ -12,7 +12,8 @@ writes files and logs.
 Two engines (`ENGINES`): `ddp` (DistributedDataParallel: every rank holds the whole model and its
 optimizer state) and `fsdp2` (`torch.distributed.fsdp.fully_shard` per decoder layer, then the
 root: parameters, gradients and AdamW state are sharded, for models whose optimizer state does not
-fit one device). Checkpoints of sharded runs go through `torch.distributed.checkpoint` (DCP).
+fit one device). Checkpoints of sharded runs go through `torch.distributed.checkpoint` (DCP) as
+safetensors files, with no pickle.
 The runners shard a model only to train it: before `end_task` (merging, evaluation, saving, the
 next task's expansion) `unshard_model` makes it whole and plain again on every rank.
 """
@@ -131,28 +132,64 @@ def unshard_model(model):
     return undo_fully_shard(model)
 
 
-def save_sharded(path: Path, model, optimizer):
-    """Every rank writes its shards of `model` and `optimizer` into the new directory `path` with
-    `torch.distributed.checkpoint` (a collective: every rank calls it with the same path)."""
+def _split_state(state: dict, prefix: str = ""):
+    """(tensors, values) of a nested state dict: its tensors, flat under '/'-joined key paths, and
+    the same tree of dicts with every tensor left out (the optimizer's param_groups: numbers,
+    strings, lists)."""
+    tensors, values = {}, {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            inner, values[key] = _split_state(value, f"{prefix}{key}/")
+            tensors.update(inner)
+        elif isinstance(value, torch.Tensor):
+            tensors[f"{prefix}{key}"] = value
+        else:
+            values[key] = value
+    return tensors, values
+
+
+def _put_values(state: dict, values: dict):
+    """Put the non-tensor `values` of `_split_state` back into `state` (in place)."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _put_values(state[key], value)
+        else:
+            state[key] = value
+
+
+def save_sharded(path: Path, model, optimizer) -> dict:
+    """Every rank writes its shards of `model`'s and `optimizer`'s tensors into the new directory
+    `path` as safetensors files (`torch.distributed.checkpoint` with its Hugging Face storage: the
+    chunk offsets in each file's JSON header, no pickled `.metadata`); a collective every rank calls
+    with the same path. Returns the state's other values (the optimizer's param_groups, the same
+    on every rank), which the caller keeps in its own checkpoint file and gives to `load_sharded`."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if is_main():
         shutil.rmtree(path, ignore_errors=True)  # a half-written directory of a killed save
     barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+    tensors, values = _split_state({"model": model_state, "optimizer": optimizer_state})
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
     barrier()
+    return values
 
 
-def load_sharded(path: Path, model, optimizer):
-    """Load what `save_sharded` wrote into `model` and `optimizer` (the same world size)."""
+def load_sharded(path: Path, model, optimizer, values: dict):
+    """Load what `save_sharded` wrote into `path` (and returned as `values`) into `model` and
+    `optimizer` (the same world size). Nothing is unpickled: DCP's safetensors reader takes the
+    shapes and offsets from the files' JSON headers, and `values` are plain data."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path))
+    tensors, _ = _split_state(state)
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)))  # into `state`'s tensors, in place
+    _put_values(state, values)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

@@ -1,6 +1,7 @@
 """Checkpoints of a task in training: what continues it exactly (weights, optimizer, schedule,
 the method's state, every RNG), written atomically; FSDP2 shards through
-`torch.distributed.checkpoint` (see `parallel`)."""
+`torch.distributed.checkpoint` as safetensors (see `parallel`). Resuming loads data, never code:
+checkpoint.pt with `weights_only=True`, shards only from the run's own `SHARDS-<step>` folder."""
 import random
 import shutil
 from dataclasses import replace
@@ -10,7 +11,7 @@ from typing import Dict
 import torch
 
 from .. import parallel
-from ..errors import RunError
+from ..errors import InputError, RunError
 from ..models import adapter
 from .rundir import CHECKPOINT
 
@@ -54,17 +55,39 @@ def read_checkpoint(out: Path) -> Dict:
     if saved != world:
         raise RunError(f"--resume: the run in {out} was checkpointed by {saved} process(es) and this is {world}: "
                        f"resume it with the same number of processes ({saved})")
+    if "shards" in checkpoint:
+        shard_dir(out, checkpoint)  # refused here, before the model loads
     return checkpoint
+
+
+def shard_dir(out: Path, checkpoint: Dict) -> Path:
+    """The shard directory a sharded checkpoint names, checked: exactly `out/SHARDS-<step>` (any
+    other name — an absolute path, `..` — could read outside the run), a directory that holds
+    safetensors files only. InputError otherwise."""
+    name, step = checkpoint["shards"], checkpoint.get("step")
+    if not isinstance(step, int) or name != f"{SHARDS}-{step}":
+        raise InputError(f"--resume: {out / CHECKPOINT} names the shard directory {name!r}; "
+                         f"a checkpoint of step {step!r} has its shards in the run's own {SHARDS}-<step>")
+    path = out / name
+    if path.is_symlink() or not path.is_dir():
+        raise InputError(f"--resume: {path} is not a directory of the run")
+    others = sorted(p.name for p in path.iterdir() if p.suffix != ".safetensors" or p.is_symlink() or not p.is_file())
+    if others:
+        raise InputError(f"--resume: {path} holds {', '.join(others)}, not safetensors shards only (adept-ext "
+                         "before its safetensors shards wrote pickled DCP files, which --resume does not load): "
+                         "start the run again with --overwrite")
+    return path
 
 
 def save_sharded_state(out: Path, step: int, model, optimizer) -> Dict:
     """Sharded (FSDP2) runs: every rank writes its shards of the weights and optimizer state into
-    `out/SHARDS-<step>` (a collective); returns the entry that names it in the checkpoint (empty
-    for an unsharded model). The checkpoint file, written afterwards, is what makes it current."""
+    `out/SHARDS-<step>` (a collective); returns the entries of the checkpoint that name it and hold
+    the state's non-tensor values (empty for an unsharded model). The checkpoint file, written
+    afterwards, is what makes it current."""
     if not parallel.is_sharded(model):
         return {}
-    parallel.save_sharded(out / f"{SHARDS}-{step}", model, optimizer)
-    return {"shards": f"{SHARDS}-{step}"}
+    values = parallel.save_sharded(out / f"{SHARDS}-{step}", model, optimizer)
+    return {"shards": f"{SHARDS}-{step}", "shard_values": values}
 
 
 def remove_stale_shards(out: Path, keep: str = ""):
@@ -77,7 +100,7 @@ def remove_stale_shards(out: Path, keep: str = ""):
 def load_training_state(state: Dict, model, method, optimizer, scheduler, out: Path = None):
     """Restore what `training_state` saved (and, for a sharded model, its shards from `out`)."""
     if "shards" in state:
-        parallel.load_sharded(out / state["shards"], model, optimizer)
+        parallel.load_sharded(shard_dir(out, state), model, optimizer, state["shard_values"])
     else:
         names = dict(model.named_parameters())
         for name, value in state["trainable"].items():
