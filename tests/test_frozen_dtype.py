@@ -20,6 +20,7 @@ from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
 from adept_ext.continual import run as run_continual
 from adept_ext.held import release as release_frozen
 from adept_ext.train import run
+from tiny_models import assert_merged_into_exact
 
 
 @pytest.fixture
@@ -120,9 +121,10 @@ def test_frozen_weights_train_in_bfloat16_and_come_back_in_float32(workspace, me
     assert not torch.equal(embed, embed.to(torch.bfloat16).float())
     assert torch.equal(saved.get_input_embeddings().weight, embed)
     assert torch.equal(saved.model.norm.weight, base.model.norm.weight)
-    if method == "lora":  # merged into the exact weights: every tensor LoRA does not adapt is the base's, bit for bit
-        kept = {n: p for n, p in saved.named_parameters() if "proj" not in n}
+    if method == "lora":  # merged into the exact weights: every tensor LoRA does not adapt is the base's, bit for
+        kept = {n: p for n, p in saved.named_parameters() if "proj" not in n}  # bit; each it adapts, the base + B·A
         assert all(torch.equal(p, base.get_parameter(n)) for n, p in kept.items()) and len(kept) > 3
+        assert_merged_into_exact(saved.state_dict(), base.state_dict(), reports["bfloat16"]["config"]["lora_rank"])
     else:  # ADEPT's originals never train: every one of their tensors is the base's, bit for bit
         copies = saved.config.adept["expanded_layers"]
         originals = [j for j in range(saved.config.num_hidden_layers) if j not in copies]

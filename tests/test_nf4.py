@@ -19,7 +19,7 @@ from test_continual import kill_inside_the_second_task
 from test_continual import options as continual_options
 from test_continual import quiet
 from test_train import killed_and_resumed, options
-from tiny_models import save_whole_block_llama, write_sequence_workspace
+from tiny_models import LORA_TARGETS, assert_merged_into_exact, save_whole_block_llama, write_sequence_workspace
 
 # Fixed before the runs: a step's loss with 4-bit frozen weights may differ from float32's by this
 # much (relative) on the tiny random-weight model at lr 1e-3. Measured since: 0.0008 at the first step
@@ -156,11 +156,10 @@ def test_a_run_holds_frozen_layers_in_four_bits_and_saves_exact_weights(workspac
                     assert torch.equal(start[new], torch.zeros_like(value) if zeroed else value), new
                 else:
                     assert torch.equal(weights[new], value), new
-    else:  # LoRA: what no adapter touches is the source's, bit for bit
-        untouched = [k for k in source if not k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                                          "o_proj.weight", "gate_proj.weight", "up_proj.weight",
-                                                          "down_proj.weight"))]
+    else:  # LoRA: what no adapter touches is the source's, bit for bit; what it adapts, the source + B·A
+        untouched = [k for k in source if not k.endswith(LORA_TARGETS)]
         assert untouched and all(torch.equal(weights[k], source[k]) for k in untouched)
+        assert_merged_into_exact(weights, source, reports["nf4"]["config"]["lora_rank"])
 
 
 @pytest.mark.parametrize("bf16", ["off", "on"])

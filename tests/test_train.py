@@ -636,6 +636,12 @@ def test_memory_estimate_counts_only_what_trains(workspace):
     # the float32 moments an 8-bit optimizer keeps for trainable embeddings included
     for optim in ("adamw_torch", "adamw_8bit"):
         assert memory_estimate(options(workspace, "memory", optim=optim), model)["optimizer"] == 0, optim
+    # a trained LM head: the fused loss holds its float32 gradient [V, H] from the forward to the backward
+    model.requires_grad_(False)
+    frozen_head = memory_estimate(cfg, model, trainable=1000)["activations"]
+    model.lm_head.weight.requires_grad_(True)
+    trained_head = memory_estimate(cfg, model, trainable=1000)["activations"]
+    assert trained_head == frozen_head + 4 * model.lm_head.weight.numel()
 
 
 @pytest.mark.parametrize("name", ["domain_aware", "plasticity", "spread"])

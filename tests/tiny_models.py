@@ -110,3 +110,18 @@ def write_sequence_workspace(root):
     (root / "topics.jsonl").write_text("\n".join(json.dumps({"prompt": " ".join(t.split()[:12]) + "\nTopic:",
                                                             "answer": f" {c}"}) for t, c in topics))
     return root
+
+
+LORA_TARGETS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                "up_proj.weight", "down_proj.weight")
+
+
+def assert_merged_into_exact(saved, source, rank):
+    """Each LoRA-adapted weight of `saved` (a state dict) is its `source` weight plus a change of rank
+    ≤ `rank` (B·A merged in float32 into the exact weight): merged into a rounded copy (bfloat16 or 4
+    bits), the change would carry the full-rank rounding error, σ_{rank+1} a large fraction of σ_1."""
+    adapted = [k for k in source if k.endswith(LORA_TARGETS)]
+    assert adapted
+    for key in adapted:
+        s = torch.linalg.svdvals((saved[key] - source[key]).double())
+        assert s[0] > 0 and s[rank] <= 1e-4 * s[0], (key, float(s[rank] / s[0]))

@@ -9,7 +9,7 @@ from .. import held, parallel, quantize
 from ..optim import moment_bytes, step_bytes
 from ..errors import RunError
 from ..lm_loss import uses_fused_loss
-from ..models import free_memory
+from ..models import adapter, free_memory
 from ..ops import default_chunk_rows
 
 
@@ -106,7 +106,8 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     one micro-batch's activations (halved under bf16 autocast; with --gradient-checkpointing each
     layer's input and one layer's activations). The fused
     loss holds one chunk of logits instead of the micro-batch's B×T×V (its size on `device`,
-    default the run's)."""
+    default the run's), and, when the LM head trains, its float32 gradient [V, H] from the forward to
+    the backward."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + quantize.held_bytes(model)
     if (device or device_for(cfg)).type == "cpu":  # the exact copies of held weights share the CPU's memory
@@ -127,6 +128,9 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     if fused:
         activations += 8 * c.vocab_size * default_chunk_rows(c.vocab_size, device or device_for(cfg), torch.float32,
                                                                  grad=True)
+        head = adapter(model).lm_head.weight
+        if head.requires_grad and trainable:  # the fused loss computes the head's gradient in the forward and holds
+            activations += 4 * head.numel()   # it in float32 until the backward (2.1 GB at Llama-3-8B's [128256, 4096])
     return {"weights": weights, "optimizer": optimizer, "activations": activations}
 
 
