@@ -36,11 +36,12 @@ class MethodCallback(TrainerCallback, ExportableState):
 
     When training begins the method's optimizer-step hooks go on the Trainer's torch optimizer
     (ADEPT's per-unit rates, EoupCT's projection); `compute_loss` is Hugging Face's causal-LM loss
-    plus the method's penalty (O-LoRA, DEAL). The method's state travels in the Trainer's
-    checkpoints (`ExportableState`, in trainer_state.json): on `resume_from_checkpoint` with
-    `TrainingArguments(restore_callback_states_from_checkpoint=True)` the Trainer rebuilds this
-    callback from its `name` (the task of the callback registered under it) and the saved state is
-    loaded before the first step.
+    plus the method's penalty (O-LoRA, DEAL), weighed once per optimizer step as in the runners
+    (`Method.training_loss`), whatever the gradient accumulation and the number of processes. The
+    method's state travels in the Trainer's checkpoints (`ExportableState`, in trainer_state.json):
+    on `resume_from_checkpoint` with `TrainingArguments(restore_callback_states_from_checkpoint=True)`
+    the Trainer rebuilds this callback from its `name` (the task of the callback registered under
+    it) and the saved state is loaded before the first step.
 
     The callback holds its task by weak reference: keep the task (its `finish()` ends the
     training). Two Trainers training at the same time need two names."""
@@ -58,7 +59,7 @@ class MethodCallback(TrainerCallback, ExportableState):
             raise ValueError(f"MethodCallback {name!r}: another callback under this name is live (its task is not "
                              f"finished and its training has not ended); give this one another name (two Trainers "
                              f"at once need two), or finish the other's task first")
-        self.task, self.name, self.saved_state, self.ended = task, name, None, False
+        self.task, self.name, self.saved_state, self.ended, self.args = task, name, None, False, None
         MethodCallback._live[name] = self
 
     def task_or_none(self) -> Optional[Task]:
@@ -83,14 +84,27 @@ class MethodCallback(TrainerCallback, ExportableState):
         return not self.ended and task is not None and not getattr(task, "finished", False)
 
     def compute_loss(self, outputs, labels, num_items_in_batch=None):
-        """The Trainer's `compute_loss_func`: next-token loss of `outputs` plus the method's penalties."""
+        """The Trainer's `compute_loss_func`: the method's `training_loss` of Hugging Face's causal-LM
+        loss of `outputs`, its penalties weighing 1 per optimizer step as in the runners. While
+        training, the Trainer backpropagates `gradient_accumulation_steps` losses per step and does
+        not divide a `compute_loss_func` loss by them; given `num_items_in_batch` (the step's
+        labelled tokens) with `average_tokens_across_devices`, it multiplies the loss by its process
+        count (`n_gpu` under DataParallel), which the data-parallel average then divides out. An
+        evaluation's loss (model in eval mode) adds the whole penalties. Not accounted for: tensor
+        parallelism (the Trainer then divides its factor by the TP size), a Trainer subclass that
+        sets `loss_is_scaled_for_ga = False`, and an epoch's last step with fewer micro-batches
+        (its penalty weighs their share of `gradient_accumulation_steps`)."""
         loss = ForCausalLMLoss(outputs.logits, labels, vocab_size=outputs.logits.shape[-1],
                                num_items_in_batch=num_items_in_batch)
-        for term in self.task.method.penalties(self.task.model):
-            loss = loss + term
-        return loss
+        args, model = self.args, self.task.model
+        if args is None or not model.training:
+            return self.task.method.training_loss(loss, model)
+        scaled = args.average_tokens_across_devices and num_items_in_batch is not None
+        processes = (args.n_gpu if args.n_gpu > 1 else args.world_size) if scaled else 1
+        return self.task.method.training_loss(loss, model, args.gradient_accumulation_steps, processes)
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.args = args  # the accumulation and process count `compute_loss` accounts for
         self.task.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the torch optimizer
 
     def on_train_end(self, args, state, control, **kwargs):

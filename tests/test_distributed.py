@@ -372,10 +372,10 @@ def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
                  log=lambda *a: None)
     sharded = {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}
     mp.spawn(_killed_run_worker, args=(2, _free_port(), sharded, str(tmp_path / "r")), nprocs=2, join=True)
-    checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=True)
     assert checkpoint["step"] == 2 and "optimizer" not in checkpoint and "trainable" not in checkpoint
     assert sorted(p.name for p in (tmp_path / "fsdp" / checkpoint["shards"]).iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+        "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
     _assert_like_one_process(_run_ranks({**sharded, "resume": True}, tmp_path), single)
     assert not list((tmp_path / "fsdp").glob("checkpoint*"))
 
@@ -587,11 +587,90 @@ def test_sharded_continual_resume_inside_a_task_equals_the_uninterrupted_run(run
                  log=lambda *a: None)
     sharded = {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}
     _spawn_with_timeout(_killed_continual_worker, (2, _free_port(), sharded, str(tmp_path / "r")))
-    checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=True)
     assert (checkpoint["completed"], checkpoint["step"]) == (1, 2)
     assert "optimizer" not in checkpoint and "trainable" not in checkpoint
     assert sorted(p.name for p in (tmp_path / "fsdp" / checkpoint["shards"]).iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+        "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
     assert (tmp_path / "fsdp" / RESUME_MODEL).is_dir()
     _spawn_with_timeout(_run_worker, (2, _free_port(), {**sharded, "resume": True}, str(tmp_path / "r"), "continual"))
     _assert_continual_like_one_process(tmp_path, tmp_path / "fsdp", single)
+
+
+def _accumulated_steps(model, engine=None, grad_accum=4, steps=2):
+    """`training.train_steps` of full training on `model` (plain, or under `engine` "ddp"/"fsdp2" over the
+    process group): `steps` SGD steps of `grad_accum` micro-batches per rank; the trained weights, whole."""
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    import adept_ext
+    from adept_ext.methods import FullConfig
+    from adept_ext.training import shard, train_steps
+
+    task = adept_ext.prepare(model, adept_ext.get_method(FullConfig()), lr=0.1, total_steps=steps, progress=False)
+    trained = model
+    if engine == "ddp":
+        trained = DistributedDataParallel(model)
+    elif engine == "fsdp2":
+        task.setup = shard(model, task.setup, bf16=False)
+    optimizer = torch.optim.SGD(task.param_groups)
+    cfg = SimpleNamespace(steps=steps, grad_accum=grad_accum, batch_size=3, max_length=12, logging_steps=steps,
+                          max_grad_norm=0.0, dataloader_num_workers=0)
+    train_steps(trained, task, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                padded_batches(n_batches=8), cfg, "cpu", False, {"train": []}, 0, "steps", False,
+                after_step=lambda step: None)
+    return {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in model.named_parameters()}
+
+
+def _gradient_reductions_worker(rank, world, init_file, result_file, engine):
+    """2 steps × 4 micro-batches on each of 2 ranks; saves the trained weights and the gradient reductions counted
+    (DDP: backward passes whose last bucket was all-reduced, through a comm hook; FSDP2: reduce-scatters, one per
+    sharded module and reducing backward pass)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        reductions = [0]
+        if engine == "ddp":
+            def counting_hook(state, bucket):
+                reductions[0] += bucket.is_last()
+                return allreduce_hook(state, bucket)
+
+            real_init = DistributedDataParallel.__init__
+
+            def init_with_hook(self, *args, **kwargs):
+                real_init(self, *args, **kwargs)
+                self.register_comm_hook(None, counting_hook)
+
+            DistributedDataParallel.__init__ = init_with_hook
+        else:
+            real_reduce_scatter = dist.reduce_scatter_single
+
+            def counting_reduce_scatter(*args, **kwargs):
+                reductions[0] += 1
+                return real_reduce_scatter(*args, **kwargs)
+
+            dist.reduce_scatter_single = counting_reduce_scatter
+        model = tiny_model("llama", layers=2)
+        weights = _accumulated_steps(model, engine)
+        per_pass = 1 if engine == "ddp" else sum(isinstance(m, FSDPModule) for m in model.modules())
+        torch.save({"weights": weights, "reducing_passes": reductions[0] / per_pass}, f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_gradients_are_reduced_once_per_optimizer_step(tmp_path, engine):
+    """With 4 micro-batches per step on 2 gloo ranks the ranks' gradients are reduced in one backward pass per
+    optimizer step (the last micro-batch's), and the weights equal one process's with 8 micro-batches per step."""
+    mp.spawn(_gradient_reductions_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), engine), nprocs=2,
+             join=True)
+    want = _accumulated_steps(tiny_model("llama", layers=2), grad_accum=8)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+        assert result["reducing_passes"] == 2  # steps, not steps × micro-batches
+        for name, value in result["weights"].items():
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -271,3 +271,63 @@ def test_live_callbacks_need_their_own_names(tmp_path):
         (rebuilt,) = [c for c in resumed.callback_handler.callbacks if isinstance(c, MethodCallback)]
         assert rebuilt.task is task and rebuilt is not callbacks[name]
     del adept
+
+
+def _record_penalty_weights(method) -> list:
+    """The gradient that reaches each penalty term in each backward (its weight in the loss backpropagated),
+    appended to the returned list."""
+    weights, penalties = [], method.penalties
+
+    def recorded(model):
+        terms = penalties(model)
+        for term in terms:
+            term.register_hook(lambda grad: weights.append(float(grad)))
+        return terms
+
+    method.penalties = recorded
+    return weights
+
+
+ACCUMULATION = 8
+
+
+def _trainer_penalty_worker(rank, world, port, out):
+    """One torchrun-like process: one optimizer step of an O-LoRA second task by the Trainer (8 micro-batches of
+    one row per rank, gloo); saves the penalty's summed weight in this rank's backward passes."""
+    import os
+
+    from test_o_lora import second_task
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    _, method, task = second_task("fro2")
+    weights = _record_penalty_weights(method)
+    callback = MethodCallback(task)
+    rows = [{k: v[i] for k, v in batch.items()} for batch in padded_batches(n_batches=6) for i in range(3)]
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=ACCUMULATION,
+                             max_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    Trainer(model=task.model, args=args, train_dataset=rows, callbacks=[callback],
+            compute_loss_func=callback.compute_loss, optimizers=(torch.optim.SGD(task.param_groups), None)).train()
+    torch.save([len(weights), sum(weights)], f"{out}/weight.{rank}")
+
+
+def test_the_penalty_weighs_once_per_trainer_step_as_in_the_runners(tmp_path):
+    """Under the Trainer with 8 accumulation steps on 2 gloo processes, O-LoRA's penalty weighs what it weighs in
+    the runners' step (`Method.loss` over 8 micro-batches): 1 per optimizer step (the ranks' gradients averaged),
+    not accumulation × processes."""
+    from test_distributed import _free_port
+    from test_o_lora import second_task
+
+    import torch.multiprocessing as mp
+
+    model, method, task = second_task("fro2")
+    weights = _record_penalty_weights(method)
+    for batch in padded_batches(n_batches=ACCUMULATION, batch=1):
+        task.loss(batch, micro_batches=ACCUMULATION).backward()
+    assert len(weights) == ACCUMULATION
+    runner = sum(weights)
+    mp.spawn(_trainer_penalty_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        count, weight = torch.load(tmp_path / f"weight.{rank}", weights_only=True)
+        assert count == ACCUMULATION
+        assert weight == pytest.approx(runner, rel=1e-6) and runner == pytest.approx(1.0, rel=1e-6)

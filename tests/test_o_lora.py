@@ -10,15 +10,15 @@ from tiny_models import padded_batches, tiny_model
 
 
 def second_task(penalty, lam=0.5):
-    """An o_lora method after one finished task, prepared for the second on a tiny Llama."""
+    """An o_lora method after one finished task, prepared for the second on a tiny Llama: (model, method, task)."""
     model = tiny_model("llama")
     method = adept_ext.get_method(OLoraConfig(rank=2, lam=lam, penalty=penalty))
     probe = padded_batches()
     model = adept_ext.prepare(model, method, general_probe=probe, lr=1e-3, total_steps=1, progress=False).finish()
     for p in model.parameters():
         p.requires_grad_(False)
-    adept_ext.prepare(model, method, general_probe=probe, lr=1e-3, total_steps=1, task_index=1, progress=False)
-    return model, method
+    task = adept_ext.prepare(model, method, general_probe=probe, lr=1e-3, total_steps=1, task_index=1, progress=False)
+    return model, method, task
 
 
 @pytest.mark.parametrize("penalty", ["fro2", "l1"])
@@ -26,7 +26,7 @@ def test_the_penalty_gradient_removes_a_planted_conflict(penalty):
     """Task 2's A planted inside task 1's subspace (A_2 = A_1 + a little noise): the penalty's
     gradient is the analytic one (fro2: 2λ A_2 A_1ᵀ A_1; l1: λ sign(A_2 A_1ᵀ) A_1) and gradient
     steps on the penalty alone shrink ‖A_1 A_2ᵀ‖_F; an A_2 orthogonal to A_1 costs nothing."""
-    model, method = second_task(penalty)
+    model, method, _ = second_task(penalty)
     adapters = lora_adapters(model)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -59,7 +59,7 @@ def test_the_penalty_gradient_removes_a_planted_conflict(penalty):
 def test_the_overlap_is_reported_and_survives_a_resume():
     """end_task reports `lora_subspace_overlap` from the second task on, for seq_lora too (which
     adds no penalty), and the earlier A's travel in the method's state."""
-    model, method = second_task("fro2")
+    model, method, _ = second_task("fro2")
     report = {}
     method.end_task(model, None, report)
     assert report["lora_subspace_overlap"] > 0

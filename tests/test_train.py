@@ -632,6 +632,9 @@ def test_memory_estimate_counts_only_what_trains(workspace):
     whole = estimate("optimizer", cfg=cfg, model=model, trainable=10**12)  # 12 bytes per trainable parameter
     assert whole == pytest.approx(10**12 * 12 / 2**30, rel=1e-2)
     assert estimate("optimizer", cfg=cfg, model=model, trainable=10**12, shards=4) == pytest.approx(whole / 4, rel=1e-2)
+    accumulating = options(workspace, "memory", grad_accum=2)  # FSDP2 accumulates the gradient unsharded, unsynced
+    assert estimate("optimizer", cfg=accumulating, model=model, trainable=10**12, shards=4) == pytest.approx(
+        whole * (4 + 8 / 4) / 12, rel=1e-2)
     # the check right after loading (every weight still requires grad, nothing trains yet): no optimizer state,
     # the float32 moments an 8-bit optimizer keeps for trainable embeddings included
     for optim in ("adamw_torch", "adamw_8bit"):

@@ -271,18 +271,32 @@ class Method:
 
     def loss(self, model, batch, loss_implementation: str = "auto", num_items=None,
              micro_batches: int = 1) -> torch.Tensor:
-        """The training loss of one micro-batch: the model's next-token loss (`lm_loss.next_token_loss`:
-        fused on a plain linear head unless `loss_implementation` is "hf"; with `num_items`, the
-        step's labelled tokens, this batch's share of the step's mean) plus the `penalties`, each
-        divided by `micro_batches` (the step's micro-batches: the penalty counts once per step)."""
-        loss = next_token_loss(model, batch, loss_implementation, num_items)
-        for term in self.penalties(getattr(model, "module", model)):  # under DDP: the wrapped model
-            loss = loss + term / micro_batches
-        return loss
+        """The runners' training loss of one micro-batch: `training_loss` of the model's next-token
+        loss (`lm_loss.next_token_loss`: fused on a plain linear head unless `loss_implementation`
+        is "hf"; with `num_items`, the step's labelled tokens, this batch's share of the step's mean)
+        over the step's `micro_batches`."""
+        return self.training_loss(next_token_loss(model, batch, loss_implementation, num_items),
+                                  getattr(model, "module", model), micro_batches)  # under DDP: the wrapped model
+
+    def training_loss(self, token_loss: torch.Tensor, model, micro_batches: int = 1,
+                      loss_scale: float = 1) -> torch.Tensor:
+        """The training loss of one micro-batch, the one definition every loop uses (the runners'
+        `loss`, `hf.MethodCallback.compute_loss`):
+
+            token_loss + Σ_k penalty_k(model) / (micro_batches · loss_scale)
+
+        A loop backpropagates `micro_batches` such losses per optimizer step, each multiplied by
+        `loss_scale` (`transformers.Trainer` multiplies by its process count when it averages
+        tokens across devices; the runners by 1), and the data-parallel engines average the ranks'
+        gradients: each penalty then weighs 1 per optimizer step, whatever the accumulation and the
+        number of processes, as the token loss's mean does."""
+        for term in self.penalties(model):
+            token_loss = token_loss + term / (micro_batches * loss_scale)
+        return token_loss
 
     def penalties(self, model) -> List[torch.Tensor]:
-        """The terms the method adds to the task loss (O-LoRA, DEAL; default none). They depend on
-        the parameters only, so `hf.MethodCallback` adds them to the Trainer's own loss too."""
+        """The terms the method adds to the task loss (O-LoRA, DEAL; default none); they depend on
+        the parameters only (`training_loss` adds them)."""
         return []
 
     def end_task(self, model, out, report: Dict):

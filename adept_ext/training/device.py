@@ -102,7 +102,8 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     or 4-bit with their quantisation constants, `quantize.hold_nf4`; on the CPU also the exact
     copies these keep on the host, `exact_host_bytes`), the float32 gradient and the
     optimizer's two moments (`optim.moment_bytes`: float32, or 8-bit) of the `trainable` parameters
-    (divided among `shards` ranks under FSDP2) and its step's temporary (`optim.step_bytes`), and
+    (divided among `shards` ranks under FSDP2; the gradient only with --grad-accum 1, since the
+    micro-batches before a step's last accumulate it unsharded) and its step's temporary (`optim.step_bytes`), and
     one micro-batch's activations (halved under bf16 autocast; with --gradient-checkpointing each
     layer's input and one layer's activations). The fused
     loss holds one chunk of logits instead of the micro-batch's B×T×V (its size on `device`,
@@ -115,8 +116,10 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     # trainable embedding weights keep float32 moments under an 8-bit optimizer (as in HF's Trainer)
     embeddings = min(trainable, sum(m.weight.numel() for m in model.modules()  # none where nothing trains yet
                                     if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad))
-    optimizer = (int(trainable * 4 + (trainable - embeddings) * moment_bytes(cfg.optim)
-                     + embeddings * moment_bytes("adamw_torch")) // shards + step_bytes(cfg.optim, trainable // shards))
+    moments = int((trainable - embeddings) * moment_bytes(cfg.optim) + embeddings * moment_bytes("adamw_torch"))
+    # the float32 gradient: sharded, but whole on each rank under FSDP2 while micro-batches accumulate unsynced
+    gradient = trainable * 4 // (shards if cfg.grad_accum == 1 else 1)
+    optimizer = gradient + moments // shards + step_bytes(cfg.optim, trainable // shards)
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
     logits = 0 if fused else 8 * c.vocab_size
     layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)  # one decoder layer's saved activations

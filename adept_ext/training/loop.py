@@ -4,6 +4,7 @@ memory check, shard or wrap, optimizer, resume, checkpoints, the steps, unshard,
 import logging
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -142,6 +143,21 @@ def step_items(micro_batches, world: int) -> torch.Tensor:
     return count.clamp_min(1) / world
 
 
+def gradient_sync(model, sync: bool):
+    """The context of one micro-batch's forward and backward: under data parallelism the ranks'
+    gradients are reduced in its backward only when `sync` (the step's last micro-batch), and
+    accumulated locally before (DDP's `no_sync`; FSDP2's `set_requires_gradient_sync`, which keeps
+    the unsharded gradients until then): one gradient all-reduce (FSDP2: reduce-scatter) per
+    optimizer step instead of one per micro-batch, the same sum of gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return nullcontext() if sync else model.no_sync()
+    if isinstance(model, FSDPModule):  # the root of `fully_shard_model`: sets every sharded layer
+        model.set_requires_gradient_sync(sync)
+    return nullcontext()
+
+
 def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, bf16, history: Dict, step: int,
                 desc: str, progress: bool, *, after_step, tracker=None, step_offset: int = 0) -> int:
     """AdamW steps from `step` up to `cfg.steps` over `batches` (a sequence of host batches, cycled,
@@ -160,7 +176,9 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
     appended to `history["train"]` with the step's lr, shown on the progress bar with the tokens/s
     since the last read, and sent to `tracker` (at step `step_offset + step`) with the step's grad
     norm, peak memory and the method's own metrics. Under data parallelism `model` is the
-    DDP-wrapped model and rank r takes micro-batches r, r + W, … (`loader.micro_batch_order`)."""
+    DDP-wrapped model (or the FSDP2-sharded one) and rank r takes micro-batches r, r + W, …
+    (`loader.micro_batch_order`); the ranks' gradients are reduced once per step, in the last
+    micro-batch's backward (`gradient_sync`)."""
     world, rank, device = parallel.world_size(), parallel.rank(), torch.device(device)
     vocab, tracking = vocab_size(task.model), tracker is not None and tracker.active
     tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.max_length * world
@@ -176,10 +194,11 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
             optimizer.zero_grad(set_to_none=True)
             micro_batches = [to_device(next(loader), device, vocab) for _ in range(cfg.grad_accum)]
             num_items = step_items(micro_batches, world)
-            for batch in micro_batches:
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = task.loss(batch, model, num_items=num_items, micro_batches=cfg.grad_accum)
-                loss.backward()
+            for i, batch in enumerate(micro_batches):
+                with gradient_sync(model, i + 1 == len(micro_batches)):
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                        loss = task.loss(batch, model, num_items=num_items, micro_batches=cfg.grad_accum)
+                    loss.backward()
                 loss_sum += loss.detach()
             grad_norm = None
             if cfg.max_grad_norm > 0:
