@@ -14,7 +14,15 @@ from adept_ext.train import config_from, run
 from conftest import DEVICES
 from tiny_models import write_run_workspace
 
-READS = ("item", "__bool__", "__float__", "__int__", "tolist")  # a tensor's value read on the host
+# A tensor's value read on the host: directly, by a copy to it, or by an op whose output's size
+# depends on the values (nonzero, indexing with a boolean mask: `masked_index`).
+READS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy", "nonzero", "__getitem__")
+
+
+def masked_index(index) -> bool:
+    """Whether a `__getitem__` index holds a boolean tensor (a mask: the result's size is read on the host)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts)
 # Reads made in these files are not counted: AdamW's step counts, which torch keeps on the host on
 # every device (adept_ext/optim.py); transformers' mask preparation, which in every forward reads
 # the attention mask (or, without one, the position ids) back from the device to choose SDPA's
@@ -22,6 +30,9 @@ READS = ("item", "__bool__", "__float__", "__int__", "tolist")  # a tensor's val
 # loop's to remove); torch's DataLoader, which reads its workers' base seed from a CPU generator
 # once per task (the host's own tensor, counted here only on the CPU).
 NOT_SYNCS = ("adept_ext/optim.py", "transformers/masking_utils.py", "torch/utils/data/dataloader.py")
+# Functions whose reads are of host tensors by contract: `data.check_labels` reads a batch's labels
+# as built on the host, before the batch goes to the device.
+HOST_ONLY = ("check_labels",)
 STEPS, LOGGING, ACCUM, EVERY = 25, 10, 4, 7  # evaluation, checkpoint and ADEPT's recompute at steps 7, 14, 21
 
 
@@ -36,9 +47,12 @@ class Syncs:
 
     def counting(self, name, real):
         def read(tensor, *args, **kwargs):
+            if name == "__getitem__" and not masked_index(args[0]):
+                return real(tensor, *args, **kwargs)
             if self.active and not (self.cuda and tensor.is_cpu):
                 stack = traceback.extract_stack()[:-1]
-                if not any(path in frame.filename for frame in stack for path in NOT_SYNCS):
+                if not any(path in frame.filename for frame in stack for path in NOT_SYNCS) and \
+                        not any(frame.name in HOST_ONLY for frame in stack):
                     self.reads.append(f"{name} at " + " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
                                                                   for f in reversed(stack[-4:])))
             return real(tensor, *args, **kwargs)
@@ -114,19 +128,26 @@ def test_one_host_sync_per_logging_steps(workspace, monkeypatch, method, device)
             assert len(synced) <= allowed, f"step {step}: {[str(w.message) for w in synced]}"
 
 
-def test_the_count_catches_a_read_per_micro_batch(workspace, monkeypatch):
-    """A planted float(loss) in every micro-batch's loss shows in every step's count."""
+PLANTED_READS = {"float": float, "cpu": lambda t: t.cpu(), "numpy": lambda t: t.numpy(),
+                 "nonzero": lambda t: t[None].nonzero(), "mask": lambda t: t[None][t[None] > 0]}
+
+
+@pytest.mark.parametrize("read", PLANTED_READS)
+def test_the_count_catches_a_read_per_micro_batch(workspace, monkeypatch, read):
+    """A planted read of the loss in every micro-batch (a value, a copy to the host, an op whose
+    output size depends on the values) shows in every step's count."""
     from adept_ext.methods.base import Method
 
     real_loss = Method.loss
 
     def reading(self, *args, **kwargs):
         loss = real_loss(self, *args, **kwargs)
-        float(loss)
+        PLANTED_READS[read](loss.detach())
         return loss
 
     monkeypatch.setattr(Method, "loss", reading)
-    _, per_step = counted_run(workspace, "planted", monkeypatch, "cpu", method="lora", steps=2, logging_steps=LOGGING)
+    _, per_step = counted_run(workspace, f"planted-{read}", monkeypatch, "cpu", method="lora", steps=2,
+                              logging_steps=LOGGING)
     assert [len(reads) for reads, _ in per_step.values()] == [ACCUM, ACCUM + 1]  # step 2: the last, which logs
 
 
