@@ -34,6 +34,7 @@ MODULE = "lm_eval"
 # How long the other ranks wait for rank 0's evaluation, in a gloo group of its own (so the training group's
 # timeout, 30 minutes for gloo and 10 for NCCL by default, does not apply); a longer evaluation fails the run.
 WAIT = timedelta(hours=24)
+logger = logging.getLogger(__name__)
 
 
 def task_list(benchmarks: str) -> List[str]:
@@ -79,7 +80,8 @@ def check_benchmarks(tasks: Sequence[str], include_path: str = "", limit: int = 
     """RunError for what would make an evaluation fail or mean nothing, before anything loads: lm-eval
     missing, an `include_path` that is no folder of YAML task files, a limit of 0 or below -1 (-1: every
     item), num_fewshot below -1 (-1: each task's own), multi-turn few-shot without a chat template, an
-    unknown task. Nothing is checked (or imported) when no task is asked for."""
+    unknown task; a warning naming the YAML files of `include_path` whose `!function` tags run Python.
+    Nothing is checked (or imported) when no task is asked for."""
     if limit == 0 or limit < -1:
         raise RunError(f"limit must be >= 1 items per task (or -1 for every item), got {limit}")
     if num_fewshot < -1:
@@ -93,6 +95,10 @@ def check_benchmarks(tasks: Sequence[str], include_path: str = "", limit: int = 
             raise RunError(f"--include-path {include_path}: no such folder")
         if not any(folder.rglob("*.yaml")):
             raise RunError(f"--include-path {include_path}: no YAML task file (*.yaml) in it")
+        code = sorted(str(f) for f in folder.rglob("*.yaml") if "!function" in f.read_text(errors="replace"))
+        if code:  # lm-eval's YAML tag that imports a Python file beside the YAML and runs its function
+            logger.warning("--include-path %s: %s name Python functions (!function), which lm-eval imports and "
+                           "runs as this process: use only task folders you trust", include_path, ", ".join(code))
     if tasks:
         check_installed()
         task_manager(tuple(tasks), include_path)

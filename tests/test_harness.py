@@ -213,6 +213,16 @@ def test_bad_benchmark_options_are_one_error_before_anything_loads(tmp_path):
         harness.check_benchmarks(["hellaswagg"], str(tmp_path / "tasks"))
 
 
+def test_a_task_folder_whose_yaml_runs_python_is_named_in_a_warning(tmp_path, caplog):
+    """lm-eval imports and runs the Python file a `!function` tag names: the user is told which files do."""
+    (tmp_path / "plain.yaml").write_text("task: plain\ndataset_path: json\noutput_type: multiple_choice\n")
+    harness.check_benchmarks([], str(tmp_path))
+    assert "!function" not in caplog.text
+    (tmp_path / "coded.yaml").write_text("task: coded\ndataset_path: json\nprocess_docs: !function utils.process\n")
+    harness.check_benchmarks([], str(tmp_path))
+    assert "coded.yaml name Python functions (!function)" in caplog.text and "plain.yaml" not in caplog.text
+
+
 def test_eval_command_writes_the_scores(workspace, tiny, tmp_path):
     from adept_ext.cli import main
 

@@ -141,7 +141,8 @@ class BenchmarkOptions:
     include_path: str = option("", help=(
         "a folder of lm-eval YAML task files (lm-eval's --include_path; a task over local files, `dataset_path: "
         "json` with `data_files`, runs offline); when it holds every task of --benchmarks, lm-eval's built-in "
-        "tasks are not indexed"))
+        "tasks are not indexed. A YAML file's `!function` tags import and run Python files of the folder (warned "
+        "at start): use only folders you trust"))
     num_fewshot: int = option(-1, help="examples in context per item (lm-eval's --num_fewshot); -1: each task's own")
     limit: int = option(-1, help=(
         "at most N items per task (lm-eval's --limit: a quick look, its stderr grows as N shrinks); -1: every item"))
