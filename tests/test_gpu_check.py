@@ -9,6 +9,7 @@ import sysconfig
 import tarfile
 
 import pytest
+import torch
 
 import adept_ext
 
@@ -17,11 +18,12 @@ SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_summary  # noqa: E402
 
-CALL1 = ["build", "import", "tests", "memcheck", "racecheck"]
-CALL2 = ["build", "import", "peers", "quant", "bench_linear_ce_large", "bench_train_step_large", "bench_probe_large",
-         "bench_importance_large", "bench_projection_large", "bench_lr_large"]
-BOTH = CALL1 + CALL2[2:]
-SETTINGS = ("PYTHONPATH", "PYTHON", "DRY_RUN", "EMULATE", "STEPS", "CALL", "BUDGET_S", "WORK", "WHEELS")
+CALL1 = ["build", "import", "tests", "racecheck", "bench_importance_large", "bench_projection_large", "bench_lr_large"]
+CALL2 = ["build", "import", "memcheck"]
+CALL3 = ["build", "import", "peers", "quant", "bench_linear_ce_large", "bench_train_step_large", "bench_probe_large"]
+ALL = CALL1 + CALL2[2:] + CALL3[2:]
+SETTINGS = ("PYTHONPATH", "PYTHON", "DRY_RUN", "EMULATE", "STEPS", "CALL", "BUDGET_S", "WORK", "WHEELS", "FULL_TABLE",
+            "PYTEST_ADDOPTS")
 
 
 def run_script(out, **env):
@@ -31,7 +33,7 @@ def run_script(out, **env):
     return subprocess.run(["bash", SCRIPT, str(out / "out")], env=env, capture_output=True, text=True, timeout=300)
 
 
-def summary_of(out, label="both"):
+def summary_of(out, label="all"):
     return json.loads((out / "out" / f"gpu-check-{label}.json").read_text())
 
 
@@ -39,22 +41,31 @@ def test_syntax():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
 
 
-def test_dry_run_prints_two_calls_within_ten_minutes(tmp_path):
-    proc = run_script(tmp_path, DRY_RUN="1")
+def test_dry_run_prints_three_calls_of_at_most_420_s(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "peer-1.0-py3-none-any.whl").write_text("")
+    proc = run_script(tmp_path, DRY_RUN="1", WHEELS=str(wheels))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
     calls = re.split(r"^call \d: ", text, flags=re.M)[1:]
-    assert len(calls) == 2
-    for n, (call, steps) in enumerate(zip(calls, (CALL1, CALL2)), 1):
+    assert len(calls) == 3
+    for n, (call, steps) in enumerate(zip(calls, (CALL1, CALL2, CALL3)), 1):
         assert f"returns 2 files (at most 8): gpu-check-call{n}.json gpu-check-call{n}.tar.gz" in call
         assert re.findall(r"^  (\w+) +\d+ s ", call, flags=re.M) == steps
-    sums = [int(s) for s in re.findall(r"sum of the limits: (\d+) s", text)]
-    assert sum(sums) <= 600 and f"command time in all: {sum(sums)} s of at most 600 s" in text
-    line = {name: next(s for s in text.splitlines() if s.startswith(f"  {name} ")) for name in CALL1 + ["quant"]}
+        limits = [int(s) for s in re.findall(r"^  \w+ +(\d+) s ", call, flags=re.M)]
+        assert f"sum of the limits: {sum(limits)} s of at most 420 s" in call and sum(limits) <= 420
+    line = {name: next(s for s in text.splitlines() if s.startswith(f"  {name} "))
+            for name in CALL1 + CALL2 + CALL3}
+    assert "pip install --no-index --no-deps --no-compile" in line["peers"]
+    assert "--size large" in line["bench_train_step_large"] and "--full-table" not in line["bench_train_step_large"]
+    full = run_script(tmp_path, DRY_RUN="1", CALL="3", FULL_TABLE="1").stdout
+    assert "train_step --size large --device cuda --json $WORK/bench/train_step_large.json --full-table" in full
     assert "NVCC_APPEND_FLAGS=-lineinfo" in line["build"] and "build_ext --inplace" in line["build"]
     assert "--continue-on-collection-errors" in line["tests"] and "tests/test_frozen_dtype.py" not in line["tests"]
-    for tool in ("memcheck", "racecheck"):
+    for tool in ("memcheck", "racecheck"):  # -v: a log names each test as it starts
         assert f"--tool {tool} --kernel-name kns=adept_ext" in line[tool] and " -x " not in line[tool]
+        assert " -m pytest -v " in line[tool]
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in line["memcheck"] and "not graph" in line["memcheck"]
     assert "<import bitsandbytes, else fail saying so>" in line["quant"]
     assert "-k cuda tests/test_quantize.py tests/test_optim_8bit.py" in line["quant"]
@@ -87,11 +98,11 @@ def test_every_step_imports_and_parses_its_arguments_as_on_the_device(tmp_path, 
     proc = run_script(tmp_path, EMULATE="1", PYTHON=device_python, ADEPT_EXT_CUDA=cuda)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr
     summary = summary_of(tmp_path)
-    assert summary["ok"] and {n: s["status"] for n, s in summary["steps"].items()} == dict.fromkeys(BOTH, "ok")
+    assert summary["ok"] and {n: s["status"] for n, s in summary["steps"].items()} == dict.fromkeys(ALL, "ok")
     assert summary["machine"]["executable"] == device_python
     assert summary["machine"]["adept_ext"] == os.path.join(ROOT, "adept_ext", "__init__.py")
     logs = tmp_path / "work" / "logs"
-    for name in BOTH:
+    for name in ALL:
         if name.startswith("bench_"):
             assert "imports ok: adept_ext from " + os.path.join(ROOT, "adept_ext") in (logs / f"{name}.log").read_text()
     for name in ("tests", "memcheck", "racecheck", "quant"):  # each selects tests (on a GPU also their [cuda] cases)
@@ -101,8 +112,8 @@ def test_every_step_imports_and_parses_its_arguments_as_on_the_device(tmp_path, 
     assert "test_quantize.py::test_hold_computes_with_the_dequantized_weights_and_release_restores_them[cuda]" in quant
     assert "test_optim_8bit.py::test_steps_follow_adamw_with_8bit_moments[cuda-adamw_8bit]" in quant
     assert "[cpu" not in quant
-    assert sorted(os.listdir(tmp_path / "out")) == ["gpu-check-both.json", "gpu-check-both.tar.gz"]
-    with tarfile.open(tmp_path / "out" / "gpu-check-both.tar.gz") as tar:
+    assert sorted(os.listdir(tmp_path / "out")) == ["gpu-check-all.json", "gpu-check-all.tar.gz"]
+    with tarfile.open(tmp_path / "out" / "gpu-check-all.tar.gz") as tar:
         assert {"./summary.json", "./machine.json", "./steps.tsv", "./logs/tests.log"} <= set(tar.getnames())
 
 
@@ -114,14 +125,14 @@ def test_spent_budget_fails_loudly(tmp_path):
 
 
 def test_steps_selects_and_rejects_unknown_names(tmp_path):
-    proc = run_script(tmp_path, EMULATE="1", CALL="2", STEPS="peers", WHEELS=str(tmp_path / "no-wheels"))
+    proc = run_script(tmp_path, EMULATE="1", CALL="3", STEPS="peers", WHEELS=str(tmp_path / "no-wheels"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = summary_of(tmp_path, "call2")["steps"]
-    assert {n: s["status"] for n, s in steps.items()} == {n: "ok" if n == "peers" else "not requested" for n in CALL2}
+    steps = summary_of(tmp_path, "call3")["steps"]
+    assert {n: s["status"] for n, s in steps.items()} == {n: "ok" if n == "peers" else "not requested" for n in CALL3}
     assert "the peers are not measured" in (tmp_path / "work" / "logs" / "peers.log").read_text()
     assert run_script(tmp_path, STEPS="bulid").returncode == 2
     assert run_script(tmp_path, CALL="1", STEPS="peers").returncode == 2  # a step of the other call
-    assert run_script(tmp_path, CALL="3").returncode == 2
+    assert run_script(tmp_path, CALL="4").returncode == 2
 
 
 def test_quant_fails_saying_so_without_bitsandbytes(tmp_path):
@@ -130,32 +141,76 @@ def test_quant_fails_saying_so_without_bitsandbytes(tmp_path):
     shadow = tmp_path / "shadow" / "bitsandbytes"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('planted: no bitsandbytes here')\n")
-    proc = run_script(tmp_path, EMULATE="1", CALL="2", STEPS="quant", PYTHONPATH=str(tmp_path / "shadow"))
+    proc = run_script(tmp_path, EMULATE="1", CALL="3", STEPS="quant", PYTHONPATH=str(tmp_path / "shadow"))
     assert proc.returncode == 1 and "FAILED: quant (failed)" in proc.stdout, proc.stdout + proc.stderr
     log = (tmp_path / "work" / "logs" / "quant.log").read_text()
     assert "quant: bitsandbytes is not importable (planted: no bitsandbytes here)" in log
     assert "put its wheel in the wheel folder" in log and "tests collected" not in log
-    assert summary_of(tmp_path, "call2")["failed_steps"] == ["quant"]
+    assert summary_of(tmp_path, "call3")["failed_steps"] == ["quant"]
+
+
+def python_that_sees_a_gpu(bin_dir):
+    """A python for the script's real path (no EMULATE): its check for a GPU passes, all else is this Python."""
+    bin_dir.mkdir(exist_ok=True)
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *cuda.is_available*) exit 0 ;; esac\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(python)
 
 
 def test_a_sanitizer_that_refuses_the_gpu_is_unsupported_not_failed(tmp_path):
-    """The real path (no EMULATE), with a Python that sees a GPU and a compute-sanitizer that refuses it."""
+    """The real path, with a Python that sees a GPU and a compute-sanitizer that refuses it."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    python = python_that_sees_a_gpu(bin_dir)
     (bin_dir / "compute-sanitizer").write_text(
         "#!/bin/sh\necho '========= Error: Target application terminated before first instrumented API call'\n"
         "exit 255\n")
-    (bin_dir / "python").write_text(f'#!/bin/sh\ncase "$*" in *cuda.is_available*) exit 0 ;; esac\n'
-                                    f'exec {sys.executable} "$@"\n')
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    proc = run_script(tmp_path, CALL="1", STEPS="memcheck", PYTHON=str(bin_dir / "python"),
-                      PATH=f"{bin_dir}:{os.environ['PATH']}")
+    (bin_dir / "compute-sanitizer").chmod(0o755)
+    proc = run_script(tmp_path, CALL="2", STEPS="memcheck", PYTHON=python, PATH=f"{bin_dir}:{os.environ['PATH']}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "memcheck: UNSUPPORTED here, nothing checked" in proc.stdout
-    summary = summary_of(tmp_path, "call1")
+    summary = summary_of(tmp_path, "call2")
     assert {n: s["status"] for n, s in summary["steps"].items()} == {
-        n: "unsupported" if n == "memcheck" else "not requested" for n in CALL1}
+        n: "unsupported" if n == "memcheck" else "not requested" for n in CALL2}
+
+
+HANG_PLUGIN = """
+import time
+
+import pytest
+
+HANGS = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    items[:] = [item for item in items if "test_cuda_arch.py" in item.nodeid][:3]
+    HANGS.append(items[2].nodeid)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest -v has written the test's id
+def pytest_runtest_logstart(nodeid):
+    if nodeid in HANGS:
+        time.sleep(600)
+"""
+
+
+def test_a_pytest_step_over_its_limit_still_reports_the_tests_that_ran_and_the_one_that_hung(tmp_path):
+    """The real tests step, its third test hanging (a pytest plugin), its limit the budget's 30 s: stopped
+    with SIGINT, pytest writes its junit file, and the summary counts the two tests that ran and names the
+    third."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "hang_third.py").write_text(HANG_PLUGIN)
+    proc = run_script(tmp_path, CALL="1", STEPS="tests", BUDGET_S="30", PYTHON=python_that_sees_a_gpu(tmp_path / "bin"),
+                      PYTHONPATH=str(tmp_path / "plugins"), PYTEST_ADDOPTS="-p hang_third")
+    hung = "tests/test_cuda_arch.py::test_choose_builds_for_the_visible_gpus_plus_ptx[]"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAILED: tests (timeout; 2 tests ran, stopped in {hung})" in proc.stdout
+    tests = summary_of(tmp_path, "call1")["steps"]["tests"]
+    assert tests["status"] == "timeout" and tests["pytest"]["result"].startswith("2 passed, 392 deselected in ")
+    assert {k: v for k, v in tests["pytest"].items() if k != "result"} == {
+        "ran": 2, "outcomes": {"passed": 2}, "failed_ids": [], "unfinished": hung}
+    assert summary_of(tmp_path, "call1")["tests"]["passed"] == 2  # pytest's junit file, written when interrupted
 
 
 def write_run(tmp_path, steps, logs=(), bench=()):
@@ -240,6 +295,36 @@ def test_summary_counts_the_quant_step_s_tests(tmp_path):
     assert summary["quant_tests"]["passed"] == 3 and summary["quant_tests"]["failed_ids"] == [
         "tests.test_quantize::test_hold[cuda]"]
     assert summary["tests"] is None  # the tests step's count is its own
+
+
+@pytest.mark.parametrize("full_table", [False, True])
+def test_train_step_large_fits_an_h100_unless_the_full_table_is_asked_for(monkeypatch, full_table):
+    """--size large measures only the configurations with checkpointing (an 80 GB H100), their ratios to
+    the Trainer's checkpointed step, and the summary judges the goal it can: ours against Liger's, both
+    checkpointed; --full-table (an H200) measures every configuration."""
+    from types import SimpleNamespace
+
+    from bench import train_step
+
+    measured = []
+
+    def fake_measure(config, size, device_name):  # ours the fastest and smallest; the Trainer twice ours
+        measured.append(config)
+        ours = config[1].startswith("adept_ext")
+        return [1.0] * 4, 100.0 if ours else 200.0, 10.0
+
+    monkeypatch.setattr(train_step, "in_fresh_process", fake_measure)
+    monkeypatch.setattr(train_step, "liger_installed", lambda: True)
+    results = train_step.run(SimpleNamespace(quick=False, size="large", full_table=full_table), torch.device("cpu"))
+    figures, goals = gpu_summary.train_step(results)
+    if full_table:
+        assert len(measured) == 7 and figures["adept_ext"]["peak_memory_vs_trainer"] == 0.5
+        assert goals == {"26_train_step": False, "33_train_step": True}  # checkpointed: 0.5x, not <= 0.4x
+    else:
+        assert {c[1] for c in measured} == {"adept_ext", "trainer", "trainer_liger", "adept_ext_hf_loss"}
+        assert all(c[2] for c in measured) and set(figures) == {f"{c[1]}+checkpointing" for c in measured}
+        assert figures["adept_ext+checkpointing"]["peak_memory_vs_trainer"] == 0.5
+        assert goals == {"26_train_step": None, "33_train_step": True}
 
 
 @pytest.mark.parametrize("text", ["", "{not json"])

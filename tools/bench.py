@@ -4,7 +4,7 @@ for linear_cross_entropy, the installed peers: cut-cross-entropy, Liger), measur
 the same data. Medians over repeats, after warm-up. What each measures: docs/benchmarks.md.
 
     python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|probe_scaling|eoupct_step|corpus|all
-        [--size small|large] [--quick] [--json PATH] [--csv PATH] [--device cpu|cuda]
+        [--size small|large] [--quick] [--json PATH] [--csv PATH] [--device cpu|cuda] [--full-table]
     python tools/bench.py tables [--csv PATH] [--page PATH] [--check]
 
 adept_ext is imported as installed (make setup), or from a source tree built in place
@@ -40,6 +40,10 @@ def main(argv=None):
                         help="also append the results as rows to the CSV at PATH; for `tables`, the CSV to read "
                              "(default docs/results/bench.csv)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--full-table", action="store_true",
+                        help="train_step --size large: every configuration, with and without activation "
+                             "checkpointing, which needs an H200's memory (default: only those with checkpointing, "
+                             "which fit an 80 GB H100)")
     parser.add_argument("--page", metavar="PATH", help="tables: the page to render (default docs/benchmarks.md)")
     parser.add_argument("--check", action="store_true", help="tables: only check that the page is up to date")
     parser.add_argument("--imports-only", action="store_true",

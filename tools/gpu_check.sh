@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# GPU check (issue 33): a lent GPU's minutes turned into a verdict, in two device calls whose step
-# limits add up to at most 10 minutes of command time (a lent GPU has 15 minutes, its start included):
-#   call 1, the kernels:    build (nvcc -lineinfo), import, the CUDA tests, memcheck, racecheck
-#   call 2, the benchmarks: the peers from a carried wheel folder (Liger, cut-cross-entropy, bitsandbytes),
-#                           quant (the [cuda] cases of tests/test_quantize.py and tests/test_optim_8bit.py:
-#                           --frozen-dtype nf4 and the 8-bit AdamW with bitsandbytes' CUDA kernels),
-#                           tools/bench.py at --size large
-# Call 2 reuses call 1's in-place build, which a warm machine keeps; on a fresh machine it builds
-# again within its own budget, and its last benchmarks are left out for time.
+# GPU check: a lent GPU's minutes turned into a verdict, in three device calls whose step limits add
+# up to at most 420 s each, so that a call ends well inside a device command's 10 minutes (a step that
+# overruns gets KILL_AFTER_S more) and leaves time for a rerun:
+#   call 1, the kernels:    build (nvcc -lineinfo), import, the CUDA tests, racecheck, the short benchmarks
+#   call 2, memcheck:       build, import, compute-sanitizer memcheck over the op tests' CUDA cases
+#   call 3, the benchmarks: build, import, the peers from a carried wheel folder (Liger, cut-cross-entropy,
+#                           bitsandbytes), quant (the [cuda] cases of tests/test_quantize.py and
+#                           tests/test_optim_8bit.py: --frozen-dtype nf4 and the 8-bit AdamW with
+#                           bitsandbytes' CUDA kernels), tools/bench.py at --size large
+# Calls 2 and 3 reuse call 1's in-place build, which the machine keeps only while it is warm (it is
+# handed back after about 30 s idle): run each call at once after the one before. On a fresh machine
+# their build step builds again, within its limit, which every call's sum counts.
 # The device has torch but no install of adept_ext: every step imports it from this source tree.
+# A step that overruns its limit is stopped with SIGINT (then SIGKILL after KILL_AFTER_S): pytest then
+# still writes its summary and junit file, and its -v log names the tests that ran and the one that hung.
 # Each call returns two files to OUT_DIR: gpu-check-LABEL.json (tools/gpu_summary.py's summary:
 # every step's status, time and failing log tail, test and sanitizer counts, every benchmark figure,
 # the goals) and gpu-check-LABEL.tar.gz (every log, the benchmark JSONs, machine.json).
 #
-#   usage: CALL=1|2|both tools/gpu_check.sh [OUT_DIR]   (CALL default both: every step in one run;
-#          LABEL is call1, call2 or both; OUT_DIR default gpu-check-out)
+#   usage: CALL=1|2|3|all tools/gpu_check.sh [OUT_DIR]   (CALL default all: every step in one run;
+#          LABEL is call1, call2, call3 or all; OUT_DIR default gpu-check-out)
 #   DRY_RUN=1    print the calls: their steps, limits and commands, the sums, the files returned
 #   EMULATE=1    no GPU needed: run each step's imports and argument parsing instead of the step
 #                (setup.py --help, pytest --collect-only, bench.py --imports-only, pip --dry-run)
 #   STEPS="..."  run only these steps of the call; BUDGET_S: the call's budget (default: its limits' sum)
+#   FULL_TABLE=1 bench_train_step_large measures every configuration, checkpointing or not: it needs the
+#                memory of an H200 (141 GB); by default only those that fit an 80 GB H100 (checkpointing)
 #   PYTHON       the interpreter (default .venv/bin/python if present, else python3)
 #   WHEELS       the peers' wheel folder (default gpu-wheels; how to fill it: docs/install.md, GPU check)
 #   WORK         working folder (default gpu-check-out/work-LABEL);  MAX_JOBS=16: build parallelism
@@ -31,11 +38,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${1:-gpu-check-out}
-CALL=${CALL:-both}
+CALL=${CALL:-all}
 case $CALL in
-  1|2) LABEL=call$CALL ;;
-  both) LABEL=both ;;
-  *) echo "FAILED: CALL must be 1, 2 or both, not '$CALL'"; exit 2 ;;
+  1|2|3) LABEL=call$CALL ;;
+  all) LABEL=all ;;
+  *) echo "FAILED: CALL must be 1, 2, 3 or all, not '$CALL'"; exit 2 ;;
 esac
 WORK=${WORK:-gpu-check-out/work-$LABEL}
 [[ $WORK == /* ]] || WORK=$ROOT/$WORK
@@ -46,18 +53,25 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=
 export PYTHONPATH="$ROOT:$WORK/peers${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
-# Each call's steps as name:limit in seconds, the goals' benchmarks first. Call 2's build is 0: it
-# reuses call 1's; a fresh machine builds again, for at most BUILD_S of call 2's budget. quant's 25 s
-# were bench_train_step_large's (110 s before).
+# Each call's steps as name:limit in seconds. No step has run on a GPU at these sizes: the limits are
+# estimates with margins. tests: about 356 tests, the torch.compile ones compiling Triton kernels
+# on a bare machine (no cache); memcheck: about 297 tests with every allocation a cudaMalloc/cudaFree
+# under the tool (the caching allocator off), about 1 s a test, which needs a call of its own. Every
+# call counts its build: a warm machine reuses call 1's (0 s), a fresh one builds again.
 BUILD_S=100
-CALL1_STEPS="build:$BUILD_S import:15 tests:70 memcheck:70 racecheck:30"
-CALL2_STEPS="build:0 import:15 peers:10 quant:25 bench_linear_ce_large:60 bench_train_step_large:85 bench_probe_large:45
-bench_importance_large:25 bench_projection_large:25 bench_lr_large:25"
-MAX_COMMAND_S=600  # both calls together: 10 minutes
+CALL1_STEPS="build:$BUILD_S import:15 tests:180 racecheck:45 bench_importance_large:25 bench_projection_large:25
+bench_lr_large:25"
+CALL2_STEPS="build:$BUILD_S import:15 memcheck:300"
+CALL3_STEPS="build:$BUILD_S import:15 peers:20 quant:40 bench_linear_ce_large:60 bench_train_step_large:120
+bench_probe_large:45"
+MAX_CALL_S=420  # a call's limits: a device command has 10 minutes; the rest is the margin for a rerun
+KILL_AFTER_S=15  # a step stopped with SIGINT that has not ended by then is killed
+without_build() { echo "$1" | tr ' \n' '\n\n' | grep -v -E '^(build|import):'; }
 case $CALL in
   1) PLAN=$CALL1_STEPS ;;
   2) PLAN=$CALL2_STEPS ;;
-  both) PLAN="$CALL1_STEPS $(echo "$CALL2_STEPS" | tr ' \n' '\n\n' | grep -v -E '^(build|import):')" ;;
+  3) PLAN=$CALL3_STEPS ;;
+  all) PLAN="$CALL1_STEPS $(without_build "$CALL2_STEPS") $(without_build "$CALL3_STEPS")" ;;
 esac
 PLAN=$(echo $PLAN)
 limits_sum() { local s sum=0; for s in $1; do sum=$(( sum + ${s#*:} )); done; echo $sum; }
@@ -83,7 +97,10 @@ SANITIZE=(--kernel-name kns=adept_ext --error-exitcode 99 --print-limit 50)
 # (their CPU cases too, which cost little and make the selection checkable without a GPU).
 RACE_K="(test_matches_reference_one_tensor and (65537 or size5)) or test_conflict_correct_matches_reference"
 RACE_K="$RACE_K or (test_coeffs_and_apply_match_reference and gdtype0) or (test_matches_reference and 1000 and dtype0)"
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors)
+# -v: each test's id is written when it starts, so the log of a step stopped mid-test names the test that hung
+PYTEST=("$PY" -m pytest -v -p no:cacheprovider --continue-on-collection-errors)
+# the emulation collects only: -qq (with -v, -q) lists the selected test ids
+COLLECT=(--collect-only -qq)
 IMPORT_PY=$(cat <<'EOF'
 import json, platform, subprocess, sys
 import torch
@@ -141,19 +158,20 @@ define() {
       EMU=("${CMD[@]}" --emulate) ;;
     tests)
       CMD=("${PYTEST[@]}" -rs --junitxml="$WORK/logs/tests.xml" -k "$CUDA_K" $TEST_FILES)
-      EMU=("${CMD[@]}" --collect-only) ;;
+      EMU=("${CMD[@]}" "${COLLECT[@]}") ;;
     memcheck)  # the caching allocator would hide reads past a tensor's end inside its pooled blocks; without
       # it, CUDA-graph capture cannot allocate: the capture tests run in the tests step
       py=("${PYTEST[@]}" -m "not slow" -k "($CUDA_K) and not graph and not compile and not opcheck" $OP_TESTS)
       CMD=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck "${SANITIZE[@]}" "${py[@]}")
-      EMU=("${py[@]}" --collect-only) ;;
+      EMU=("${py[@]}" "${COLLECT[@]}") ;;
     racecheck)
       py=("${PYTEST[@]}" -m "not slow" -k "$RACE_K" $OP_TESTS)
       CMD=("$SANITIZER" --tool racecheck "${SANITIZE[@]}" "${py[@]}")
-      EMU=("${py[@]}" --collect-only) ;;
-    peers)  # no registry on the device; the wheels' dependencies (torch, triton, numpy, packaging) are there
+      EMU=("${py[@]}" "${COLLECT[@]}") ;;
+    peers)  # no registry on the device; the wheels' dependencies (torch, triton, numpy, packaging) are there.
+      # --no-compile: byte-compiling bitsandbytes' 41 MiB wheel would take most of the step
       if compgen -G "$WHEELS/*.whl" > /dev/null; then
-        CMD=("$PY" -m pip install --no-index --no-deps --upgrade --target "$WORK/peers" "$WHEELS"/*.whl)
+        CMD=("$PY" -m pip install --no-index --no-deps --no-compile --upgrade --target "$WORK/peers" "$WHEELS"/*.whl)
         EMU=("${CMD[@]}" --dry-run)
       else
         CMD=(echo "no $WHEELS/*.whl: the peers are not measured (docs/install.md, GPU check)")
@@ -162,10 +180,12 @@ define() {
     quant)  # bitsandbytes' CUDA kernels under --frozen-dtype nf4 and --optim adamw_8bit: the [cuda] cases
       py=("${PYTEST[@]}" -rs --junitxml="$WORK/logs/quant.xml" -k cuda tests/test_quantize.py tests/test_optim_8bit.py)
       CMD=(bash -c '"$1" -c "$2" || exit; shift 2; exec "$@"' quant "$PY" "$BNB_PY" "${py[@]}")
-      EMU=("${CMD[@]}" --collect-only) ;;
+      EMU=("${CMD[@]}" "${COLLECT[@]}") ;;
     bench_*_large)
       b=${1#bench_}; b=${b%_large}
       CMD=("$PY" tools/bench.py "$b" --size large --device cuda --json "$WORK/bench/${b}_large.json")
+      # every train_step configuration needs an H200's memory; by default those that fit an 80 GB H100
+      [ "$b" = train_step ] && [ -n "${FULL_TABLE:-}" ] && CMD+=(--full-table)
       EMU=("${CMD[@]}" --imports-only) ;;
   esac
   SHOWN="${CMD[*]}"
@@ -175,20 +195,22 @@ define() {
 }
 
 if [ -n "${DRY_RUN:-}" ]; then
-  total=0
-  for c in $([ "$CALL" = both ] && echo 1 2 || echo "$CALL"); do
-    steps=$([ "$c" = 1 ] && echo "$CALL1_STEPS" || echo "$CALL2_STEPS")
+  over=""
+  for c in $([ "$CALL" = all ] && echo 1 2 3 || echo "$CALL"); do
+    steps_of=CALL${c}_STEPS
+    steps=${!steps_of}
     echo "call $c: CALL=$c tools/gpu_check.sh \"\$OUT\"; returns 2 files (at most 8): gpu-check-call$c.json gpu-check-call$c.tar.gz"
     for s in $steps; do
       define "${s%%:*}"
       printf '  %-24s %4s s  %s\n' "${s%%:*}" "${s#*:}" "$SHOWN"
     done
-    [ "$c" = 2 ] && echo "  (build 0 s: call 1's build, kept by the warm machine; on a fresh one up to $BUILD_S s of this call's budget)"
-    echo "  sum of the limits: $(limits_sum "$steps") s"
-    total=$(( total + $(limits_sum "$steps") ))
+    [ "$c" != 1 ] && echo "  (build: 0 s where the warm machine kept call 1's: run this call at once after the one before)"
+    echo "  sum of the limits: $(limits_sum "$steps") s of at most $MAX_CALL_S s"
+    [ "$(limits_sum "$steps")" -le "$MAX_CALL_S" ] || over="$over $c"
   done
-  echo "command time in all: $total s of at most $MAX_COMMAND_S s (plus seconds outside the steps: summary, archive)"
-  [ "$total" -le "$MAX_COMMAND_S" ] || { echo "FAILED: the limits add up to more than $MAX_COMMAND_S s"; exit 1; }
+  echo "a step over its limit: SIGINT, then SIGKILL ${KILL_AFTER_S} s later; a call's command time is at most its sum" \
+       "+ $KILL_AFTER_S s (plus seconds outside the steps: summary, archive)"
+  [ -z "$over" ] || { echo "FAILED: the limits of call(s)$over add up to more than $MAX_CALL_S s"; exit 1; }
   exit 0
 fi
 
@@ -219,12 +241,9 @@ finish() {  # the summary (which prints the verdict) and the call's two files; e
 run_step() {
   local name=$1 limit=$2 log=$WORK/logs/$1.log left t0 rc status
   if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then record "$name" "not requested" 0 0 ""; return 0; fi
-  if [ "$name" = build ]; then
-    if [ -z "${EMULATE:-}" ] && build_is_current; then
-      echo "reused: the in-place build of these sources ($BUILD_STAMP)" | tee "$log"
-      record build ok 0 0 build.log; return 0
-    fi
-    limit=$BUILD_S
+  if [ "$name" = build ] && [ -z "${EMULATE:-}" ] && build_is_current; then
+    echo "reused: the in-place build of these sources ($BUILD_STAMP)" | tee "$log"
+    record build ok 0 0 build.log; return 0
   fi
   left=$(( BUDGET_S - $(elapsed) ))
   if [ "$left" -lt 10 ]; then
@@ -235,7 +254,8 @@ run_step() {
   if [ -n "${EMULATE:-}" ]; then CMD=("${EMU[@]}"); fi
   echo "== $name (at $(elapsed) s, limit $limit s)"
   t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "${CMD[@]}" > "$log" 2>&1
+  # SIGINT, not timeout's default SIGTERM: an interrupted pytest still writes its summary and junit file
+  timeout --signal=INT --kill-after="$KILL_AFTER_S" "$limit" "${CMD[@]}" > "$log" 2>&1
   rc=$?
   tail -n "${TAIL_LINES:-8}" "$log"
   status=ok

@@ -6,7 +6,9 @@ model, batch and sequence length, with and without activation checkpointing, for
 and `adept`. Each configuration runs in a fresh process (the peak memory of one cannot hide in
 memory another freed): tokens/s of the median measured step, and the peak memory above the built
 model (CPU: resident set; GPU: the allocator's peak). Shown: the ratios to the Trainer's default
-step of the same method."""
+step of the same method (to its step with checkpointing at --size large, where by default only the
+configurations with checkpointing run, those that fit an 80 GB H100; --full-table runs them all,
+which needs an H200's 141 GB)."""
 import functools
 import multiprocessing as mp
 import statistics
@@ -24,16 +26,21 @@ METHODS = ("full", "lora", "adept")
 WARMUP_STEPS = 1
 
 
-def configurations(liger: bool, size: str = "small"):
+def configurations(liger: bool, size: str = "small", checkpointing_only: bool = False):
     """(method, loop, checkpointing) of every measured step (--size large: `full` only and no
     compilation, to fit the GPU check's budget); loop "adept_ext_hf_loss" is our loop with
     --loss-implementation hf (what the fused loss buys), "adept_ext_compile" our loop with --compile
-    (each decoder layer compiled; the compilation is in the warm-up step, `first_step_s`)."""
+    (each decoder layer compiled; the compilation is in the warm-up step, `first_step_s`).
+    `checkpointing_only`: the configurations with activation checkpointing (hf_loss's too), the
+    ones whose large size fits an 80 GB H100: without it, the Llama-3.2-1B shape's activations at
+    8 x 4096 tokens (by estimate, about 55 GB in bf16) come on top of its weights, gradients and AdamW states in
+    float32 (about 20 GB) and, in the Trainer, its logits (about 40 GB with their float32 copies)."""
     loops = ["adept_ext", "trainer"] + (["trainer_liger"] if liger else [])
     methods = ("full",) if size == "large" else METHODS
     configs = [(m, loop, ckpt) for m in methods for loop in loops for ckpt in (False, True)]
     compiled = [] if size == "large" else [("full", "adept_ext_compile", False), ("full", "adept_ext_compile", True)]
-    return configs + [("full", "adept_ext_hf_loss", False)] + compiled
+    configs += [("full", "adept_ext_hf_loss", checkpointing_only)] + compiled
+    return [c for c in configs if c[2] or not checkpointing_only]
 
 
 def liger_installed() -> bool:
@@ -163,16 +170,17 @@ def label(loop, checkpointing):
 
 def run(args, device):
     size = "quick" if args.quick else args.size
+    checkpointing_only = size == "large" and not args.full_table  # what fits an 80 GB H100
     shape, batch_size, seq, steps = SIZES[size]
     tokens = batch_size * seq
     results = {"model": shape, "batch": batch_size, "seq": seq, "measured_steps": steps,
                "dtype": "float32" if device.type == "cpu" else "bf16 autocast; weights float32 (Trainer) or frozen "
                                                                 "ones bfloat16 (adept_ext, --frozen-dtype auto)",
                "peak_memory_mb": "peak above the weights held at the start (weights_mb)",
-               "liger_installed": liger_installed(), "methods": {}}
+               "liger_installed": liger_installed(), "checkpointing_only": checkpointing_only, "methods": {}}
     print(f"\none optimizer step, {shape}, {batch_size} x {seq} tokens, device {device} "
           f"({torch.get_num_threads()} threads); each configuration in a fresh process")
-    for method, loop, checkpointing in configurations(results["liger_installed"], size):
+    for method, loop, checkpointing in configurations(results["liger_installed"], size, checkpointing_only):
         name, providers = label(loop, checkpointing), results["methods"].setdefault(method, {})
         try:
             times, peak, weights_mb = in_fresh_process((method, loop, checkpointing), size, str(device))
@@ -186,7 +194,8 @@ def run(args, device):
         providers[name] = {"step_s": step_s, "first_step_s": first_step_s, "tokens_per_s": tokens / step_s,
                            "peak_memory_mb": peak, "weights_mb": weights_mb}
     for method, providers in results["methods"].items():
-        base = providers["trainer"]
+        # the Trainer's default step, or with checkpointing when only those configurations ran
+        base = providers[label("trainer", checkpointing_only)]
         for name, r in providers.items():
             if "error" in r or "error" in base:
                 continue
@@ -202,6 +211,8 @@ def run(args, device):
 
 def rows(results):
     shape = f"{results['model']}, {results['batch']} x {results['seq']} tokens"
+    if results.get("checkpointing_only"):
+        shape += "; ratios to trainer+checkpointing"
     return [row(name, metric, r[metric], unit, dtype=results["dtype"], shape=f"{method}: {shape}")
             for method, providers in results["methods"].items() for name, r in providers.items()
             for metric, unit in (("tokens_per_s", "tokens/s"), ("peak_memory_mb", "MB"), ("first_step_s", "s"),
