@@ -196,10 +196,74 @@ def test_errors(args, exc, match):
         linear_cross_entropy(*args(hidden, weight, targets))
 
 
-def test_error_chunk_rows():
+def test_error_chunk_rows_and_reduction():
     hidden, weight, targets = make(4, 8, 20, "cpu")
     with pytest.raises(ValueError, match="chunk_rows"):
         linear_cross_entropy(hidden, weight, targets, chunk_rows=0)
+    with pytest.raises(ValueError, match=r"reduction must be one of \('none', 'sum', 'mean'\), got 'avg'"):
+        linear_cross_entropy(hidden, weight, targets, reduction="avg")
+
+
+# reduction="none" | "sum" | "mean", against F.linear + F.cross_entropy with the same reduction.
+
+def f_cross_entropy(hidden, weight, targets, reduction, dtype=None):
+    """(loss, ∂hidden, ∂weight) of F.cross_entropy(F.linear(h, w), reduction=...): in float64 (dtype
+    torch.float64, the reference) or in the inputs' dtype with float32 logits (what a user writes)."""
+    h, w = (t.detach().to(dtype or t.dtype).requires_grad_() for t in (hidden, weight))
+    loss = F.cross_entropy(F.linear(h, w).float() if dtype is None else F.linear(h, w), targets, reduction=reduction)
+    return (loss.detach(), *torch.autograd.grad(loss, (h, w), torch.ones_like(loss)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("n,h,v,chunk", [(37, 24, 301, 8), (1, 8, 5, None)])
+def test_reductions_match_f_cross_entropy(device, dtype, reduction, n, h, v, chunk, monkeypatch):
+    hidden, weight, targets = make(n, h, v, device, dtype, ignore_every=5 if n > 1 else 0)
+    fused, real = [], cross_entropy.linear_cross_entropy_sum_op  # "sum" and "mean" take the one-pass op
+    monkeypatch.setattr(cross_entropy, "linear_cross_entropy_sum_op", lambda *args: fused.append(1) or real(*args))
+    hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_cross_entropy(hs, ws, targets, chunk_rows=chunk, reduction=reduction)
+    assert loss.dtype == torch.float32 and loss.shape == ((n,) if reduction == "none" else ())
+    assert len(fused) == (reduction != "none")
+    ours = (loss.detach(), *torch.autograd.grad(loss, (hs, ws), torch.ones_like(loss)))
+    exact = f_cross_entropy(hidden, weight, targets, reduction, torch.float64)
+    plain = f_cross_entropy(hidden, weight, targets, reduction)
+    for got, torch_got, ref in zip(ours, plain, exact):
+        assert got.shape == ref.shape
+        err = (got.double() - ref).abs().max()
+        if dtype == torch.float32:
+            assert err <= 2e-5 * ref.abs().max() + 1e-6, err
+        else:  # judged against plain PyTorch in the same precision, by the largest error
+            assert err <= 2 * (torch_got.double() - ref).abs().max() + 1e-5, (err, torch_got, ref)
+
+
+@pytest.mark.parametrize("n", [0, 6])
+def test_mean_over_no_valid_row_is_nan_with_zero_gradients(n):
+    # as F.cross_entropy(reduction="mean"): 0 / 0 = NaN, and the gradients 0 (not 0 · inf = NaN)
+    hidden, weight, targets = make(n, 8, 20, "cpu")
+    targets.fill_(-100)
+    hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_cross_entropy(hs, ws, targets, reduction="mean")
+    loss.backward()
+    torch_loss, torch_gh, torch_gw = f_cross_entropy(hidden, weight, targets, "mean")
+    assert torch.isnan(loss) and torch.isnan(torch_loss)
+    assert torch.equal(hs.grad, torch_gh) and torch.equal(ws.grad, torch_gw) and not ws.grad.any()
+    assert linear_cross_entropy(hidden, weight, targets, reduction="sum") == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mean_scales_the_hidden_gradient_in_float32(dtype):
+    # 1/235 rounded to bfloat16 is 0.31 % too small (float16: 0.044 % too large); scaled by it, every
+    # element of the hidden gradient was biased the same way. The least-squares factor between ours and
+    # the float64 gradient stays within a third of that bias of 1 (the elements' own rounding is unbiased).
+    n = 235
+    hidden, weight, targets = make(n, 64, 128, "cpu", dtype)
+    h = hidden.clone().requires_grad_()
+    (gh,) = torch.autograd.grad(linear_cross_entropy(h, weight, targets, reduction="mean"), h)
+    ref = f_cross_entropy(hidden, weight, targets, "mean", torch.float64)[1]
+    factor = float((gh.double() * ref).sum() / (ref * ref).sum())
+    rounding_bias = abs(float(torch.tensor(1 / n).to(dtype).double()) * n - 1)
+    assert abs(factor - 1) < rounding_bias / 3, (factor, rounding_bias)
 
 
 # Autograd: the backward recomputes the logits chunk by chunk; judged against float64 autograd
@@ -408,6 +472,27 @@ def test_autocast_in_both_passes(device, dtype):
     torch.testing.assert_close(inside[2], by_hand_w.grad.float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_backward_uses_the_forwards_dtypes_across_autocast(device, reduction):
+    """A backward outside autocast after a forward inside it, or inside after a forward outside
+    (Liger's PR #1283): the gradients are those of the forward's dtypes, as without autocast."""
+    hidden, weight, targets = make(20, 16, 50, device, ignore_every=7)
+    device_type = torch.device(device).type
+
+    def grads(forward_autocast: bool, backward_autocast: bool, cast=lambda t: t):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=forward_autocast):
+            loss = linear_cross_entropy(cast(h), cast(w), targets, chunk_rows=6, reduction=reduction).sum()
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=backward_autocast):
+            loss.backward()
+        return h.grad, w.grad
+
+    # forward inside, backward outside: the gradients of the bf16 forward, as on inputs cast by hand
+    torch.testing.assert_close(grads(True, False), grads(False, False, lambda t: t.bfloat16()), rtol=0, atol=0)
+    # forward outside, backward inside: the gradients of the float32 forward
+    torch.testing.assert_close(grads(False, True), grads(False, False), rtol=0, atol=0)
+
+
 def test_autocast_accepts_mixed_dtypes_and_follows_the_autocast_dtype(device):
     """Under autocast a bf16 hidden with an fp32 weight (an autocast linear's output and a master
     weight) is accepted and both run in the autocast dtype; outside autocast the pair is refused."""
@@ -469,13 +554,64 @@ def test_weight_grad_paths():
     assert set(cross_entropy.WEIGHT_GRAD_PATHS) == {"float32", "out_dtype", "float32_copies", "temporary"}
 
 
+def test_out_dtype_probe_requires_accumulation(monkeypatch):
+    # the backward adds each chunk's dᵀh into out=: a kernel that overwrites out (beta = 0) must fail the probe
+    probe = cross_entropy._addmm_out_dtype_runs.__wrapped__  # uncached
+    monkeypatch.setattr(torch, "addmm", lambda c, a, b, out_dtype, out: torch.mm(a.float(), b.float(), out=out))
+    assert not probe("cpu", torch.bfloat16)
+    monkeypatch.setattr(torch, "addmm", lambda c, a, b, out_dtype, out: out.copy_(c + a.float() @ b.float()))
+    assert probe("cpu", torch.bfloat16)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_out_dtype_path_forced_agrees_with_the_probe(dtype):
+    # forced on every CUDA device: where addmm(out_dtype=float32) runs, it accumulates into a non-zero
+    # out= and the probe chose it; where it does not run, the probe did not choose it
+    d, h = torch.randn(64, 300, device="cuda", dtype=dtype), torch.randn(64, 24, device="cuda", dtype=dtype)
+    start = torch.randn(300, 24, device="cuda")
+    out = start.clone()
+    try:
+        torch.addmm(out, d.T, h, out_dtype=torch.float32, out=out)
+    except (RuntimeError, TypeError, NotImplementedError):
+        assert cross_entropy.weight_grad_path("cuda", dtype) != "out_dtype"
+        return
+    torch.testing.assert_close(out, start + d.T.float() @ h.float(), rtol=1e-4, atol=1e-4)
+    assert cross_entropy.weight_grad_path("cuda", dtype) == "out_dtype"
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [32001, 50257, 151665, 4096])
+def test_cuda_row_kernels_on_rows_of_every_alignment(dtype, v):
+    # V·sizeof(T) not a multiple of 16 (and a base 3 elements past an allocation): the rows start at
+    # every alignment, each read in 16-byte packs from its own first boundary with a head and a tail
+    # one by one; 4096: aligned rows. At these V each thread's pack loop runs several times (bf16:
+    # 8 per pack, 2048 per sweep of 256 threads). Targets at both ends of a row and an ignored row.
+    n = 6
+    hidden, weight, targets = make(n, 16, v, "cuda", dtype)
+    targets[:3] = torch.tensor([0, v - 1, -100])
+    logits = torch.empty(n * v + 3, device="cuda", dtype=dtype)[3:].view(n, v)
+    torch.mm(hidden, weight.T, out=logits)
+    exact = logits.double()
+    loss, lse = torch.ops.adept_ext.linear_cross_entropy_rows.default(logits, targets, -100)
+    want = F.cross_entropy(exact, targets, reduction="none")
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    grad_loss = torch.randn(n, device="cuda")
+    want_grad = reference.linear_cross_entropy_grad_logits(exact, targets, lse, grad_loss)
+    torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(logits, targets, lse, grad_loss, -100)
+    rounding = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    assert (logits.double() - want_grad).abs().max() <= rounding * max(1.0, float(want_grad.abs().max()))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_weight_grad_path_gives_the_gradient(device, dtype, monkeypatch):
     # each fallback the backward may take on a device is run here and judged against the reference
     hidden, weight, targets = make(37, 24, 301, device, dtype, ignore_every=5)
     grad_loss = torch.randn(37, device=device)
     exact = reference_grads(hidden, weight, targets, grad_loss)[1]
-    paths = ["float32_copies", "temporary"] + (["out_dtype"] if torch.device(device).type == "cuda" else [])
+    paths = ["float32_copies", "temporary"] + (["out_dtype"] if cross_entropy.weight_grad_path(
+        torch.device(device).type, dtype) == "out_dtype" else [])
     for path in paths:
         monkeypatch.setattr(cross_entropy, "weight_grad_path", lambda *args: path)
         w = weight.clone().requires_grad_()
@@ -571,11 +707,11 @@ def test_sum_opcheck_compile_and_autocast(device):
 
     @torch.compile(fullgraph=True, backend="aot_eager", dynamic=True)
     def mean_loss(h, w, t):
-        return linear_cross_entropy_sum(h, w, t, chunk_rows=5) / 12
+        return linear_cross_entropy(h, w, t, chunk_rows=5, reduction="mean")
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     mean_loss(h, w, targets).backward()
-    rh, rw = reference_grads(hidden, weight, targets, torch.full((12,), 1 / 12, device=device))
+    rh, rw = reference_grads(hidden, weight, targets, torch.full((12,), 1 / 9, device=device))  # 9 valid rows
     torch.testing.assert_close(h.grad.double(), rh, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(w.grad.double(), rw, rtol=1e-5, atol=1e-7)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

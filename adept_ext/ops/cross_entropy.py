@@ -62,29 +62,53 @@ def _check_args(name: str, hidden, weight, targets, chunk_rows) -> torch.dtype:
     return torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
 
 
+REDUCTIONS = ("none", "sum", "mean")
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int = -100,
     chunk_rows: Optional[int] = None,
+    reduction: str = "none",
 ) -> torch.Tensor:
-    """Per-row cross-entropy of the logits hidden @ weight.T, without materialising them (docs/methods.md §1.1).
+    """Cross-entropy of the logits hidden @ weight.T, without materialising them (docs/methods.md §1.1),
+    reduced as ``F.cross_entropy(hidden @ weight.T, targets, ignore_index=ignore_index, reduction=reduction)``.
 
     hidden [N, H] and weight [V, H] (float32, bfloat16 or float16, same dtype and device),
-    targets [N] int64 in [0, V) or ``ignore_index``. Returns float32 [N]:
-    loss_i = logsumexp_v(h_i·w_v) − h_i·w_{t_i}, and 0 at ignored rows. Rows are processed
-    ``chunk_rows`` at a time (default by the device, `default_chunk_rows`: about 2^23 logits per
-    chunk on a CPU, 256 MiB of logits and at least 1024 rows on a GPU), so the peak extra memory
-    is O(chunk_rows × V), never O(N × V). The GEMM runs in the inputs' dtype (as
-    ``hidden @ weight.T`` would); the logsumexp is float32.
-    Differentiable with respect to hidden and weight (see `linear_cross_entropy_backward`: one
-    chunk of logits at a time, so it never holds [N, V] either).
-    Raises ValueError/TypeError on bad shapes, dtypes and devices. The target range is checked by
-    the kernels, so that no call reads the targets on the host (a GPU synchronisation): on the CPU
-    an out-of-range target is a ValueError naming its index, on CUDA a device-side assert, which
-    leaves the CUDA context unusable — the runners validate targets where they build batches.
+    targets [N] int64 in [0, V) or ``ignore_index``; per row loss_i = logsumexp_v(h_i·w_v) − h_i·w_{t_i},
+    and 0 at ignored rows. ``reduction``:
+
+    - ``"none"``: float32 [N], the rows. Differentiable (see `linear_cross_entropy_backward`: the
+      backward recomputes one chunk of logits at a time, so it never holds [N, V] either).
+    - ``"sum"``: float32 scalar Σ_i loss_i (the same rows, summed in the same order), and
+    - ``"mean"``: float32 scalar Σ_i loss_i / n_valid, n_valid the count of rows whose target is not
+      ``ignore_index``. With no valid row (all ignored, or N = 0) the loss is NaN and the gradients
+      are 0, as F.cross_entropy gives. Both compute the gradients during the forward (as Liger's
+      fused loss does): three GEMMs of N × V × H per step instead of four, at the cost of holding
+      grad_hidden [N, H] and the float32 weight gradient [V, H] from the forward to the backward.
+      Not twice differentiable (a ``create_graph=True`` backward raises).
+
+    Rows are processed ``chunk_rows`` at a time (default by the device, `default_chunk_rows`: about
+    2^23 logits per chunk on a CPU, 2^25 when gradients are computed, 256 MiB of logits and at least
+    1024 rows on a GPU), so the peak extra memory is O(chunk_rows × V), never O(N × V). The GEMM runs
+    in the inputs' dtype (as ``hidden @ weight.T`` would); the logsumexp is float32. Under autocast
+    hidden and weight are cast to the autocast dtype first, as F.linear does.
+    Raises ValueError/TypeError on bad shapes, dtypes, devices and reductions. The target range is
+    checked by the kernels, so that no call reads the targets on the host (a GPU synchronisation): on
+    the CPU an out-of-range target is a ValueError naming its index, on CUDA a device-side assert,
+    which leaves the CUDA context unusable — the runners validate targets where they build batches.
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction != "none":
+        total = _summed("linear_cross_entropy", hidden, weight, targets, ignore_index, chunk_rows)
+        if reduction == "sum":
+            return total
+        count = (targets != ignore_index).sum()
+        # 0 / 0 = NaN as F.cross_entropy, through `where` so that the gradients are 0, not 0 · inf
+        return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan")))
     gemm_dtype = _check_args("linear_cross_entropy", hidden, weight, targets, chunk_rows)
     if weight.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float32, device=hidden.device)
@@ -107,14 +131,15 @@ WEIGHT_GRAD_PATHS = {
 @functools.lru_cache(maxsize=None)
 def _addmm_out_dtype_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this torch has a kernel for addmm(..., out_dtype=float32) on `dtype` inputs on the
-    device type (CUDA since about torch 2.8; not the CPU in 2.14): tried once on a 2 × 2 problem."""
+    device type (CUDA since about torch 2.8; not the CPU in 2.14) that adds into its out= as the
+    backward needs (out = out + a·b): tried once on a 2 × 2 problem whose out starts at 1."""
     try:
         a = torch.ones(2, 2, dtype=dtype, device=device_type)
-        c = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
+        c = torch.ones(2, 2, dtype=torch.float32, device=device_type)
         torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
-    return bool(c.eq(2).all())
+    return bool(c.eq(3).all())
 
 
 def weight_grad_path(device_type: str, dtype: torch.dtype) -> str:
@@ -148,18 +173,22 @@ def _fused_chunks(hidden, weight, targets, ignore_index: int, chunk: int, need_h
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight \
         else weight.new_empty(0)
     path = weight_grad_path(hidden.device.type, hidden.dtype)
-    for r0 in range(0, hidden.shape[0], chunk):
-        rows = slice(r0, r0 + chunk)
-        h = hidden[rows]
-        d = h @ weight.T
-        lse, scale = row_stats(rows, d)
-        if need_hidden or need_weight:
-            torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(d, targets[rows], lse, scale, ignore_index)
-        if need_hidden:
-            torch.mm(d, weight, out=grad_hidden[rows])
-        if need_weight:
-            _accumulate_weight_grad(path, grad_weight, d, h)
-        del d  # before the next chunk's GEMM allocates its own: one chunk of logits at a time
+    # the GEMMs in the dtype of the tensors given (the forward's), also when a backward runs under an
+    # autocast the forward did not (or the reverse): an autocast GEMM would not match the buffers' dtypes
+    with torch.autocast(hidden.device.type, enabled=False):
+        for r0 in range(0, hidden.shape[0], chunk):
+            rows = slice(r0, r0 + chunk)
+            h = hidden[rows]
+            d = h @ weight.T
+            lse, scale = row_stats(rows, d)
+            if need_hidden or need_weight:
+                torch.ops.adept_ext.linear_cross_entropy_grad_logits_.default(d, targets[rows], lse, scale,
+                                                                              ignore_index)
+            if need_hidden:
+                torch.mm(d, weight, out=grad_hidden[rows])
+            if need_weight:
+                _accumulate_weight_grad(path, grad_weight, d, h)
+            del d  # before the next chunk's GEMM allocates its own: one chunk of logits at a time
     return grad_hidden, grad_weight
 
 
@@ -193,18 +222,17 @@ def linear_cross_entropy_sum(
     ignore_index: int = -100,
     chunk_rows: Optional[int] = None,
 ) -> torch.Tensor:
-    """Σ_i loss_i of `linear_cross_entropy` (float32 scalar; the same per-row losses, summed in the
-    same order), with the gradients computed during the forward, as Liger's fused loss does (docs/methods.md §1.1).
+    """``linear_cross_entropy(..., reduction="sum")``: Σ_i loss_i, float32 scalar, with the gradients
+    computed during the forward (the training loss's numerator). Raises as `linear_cross_entropy`."""
+    return _summed("linear_cross_entropy_sum", hidden, weight, targets, ignore_index, chunk_rows)
 
-    When grad mode is on and hidden or weight requires grad, each chunk's logits become their
-    gradient right after their loss (`_fused_chunks` with g = 1), and the backward only scales the
-    stored gradients by the incoming scalar: three GEMMs of N × V × H per step instead of the
-    four of `linear_cross_entropy` (which recomputes the logits), for grad_hidden [N, H] and the
-    float32 weight gradient [V, H] held from the forward to the backward. For a loss that is a sum
-    or a mean of the rows (divide the result); per-row weights need `linear_cross_entropy`. Under
-    autocast hidden and weight are cast to the autocast dtype first. Raises as `linear_cross_entropy`.
-    """
-    gemm_dtype = _check_args("linear_cross_entropy_sum", hidden, weight, targets, chunk_rows)
+
+def _summed(name: str, hidden, weight, targets, ignore_index: int, chunk_rows: Optional[int]) -> torch.Tensor:
+    """Σ_i loss_i through `linear_cross_entropy_sum_op`: when grad mode is on and hidden or weight
+    requires grad, each chunk's logits become their gradient right after their loss (`_fused_chunks`
+    with g = 1), and the backward only scales the stored gradients by the incoming scalar. Under
+    autocast hidden and weight are cast to the autocast dtype first, as F.linear does."""
+    gemm_dtype = _check_args(name, hidden, weight, targets, chunk_rows)
     if weight.shape[0] == 0:
         return torch.zeros((), dtype=torch.float32, device=hidden.device)
     if gemm_dtype != hidden.dtype or gemm_dtype != weight.dtype:  # autocast, as F.linear

@@ -2,7 +2,9 @@
 // row computing an online (max, sum-of-exp) logsumexp over the vocabulary in float32 (16-byte loads,
 // one exp per finite logit) with a deterministic block reduction, minus the target logit. Backward
 // (grad_logits_): one block per row turns the logits into g·(exp(z − lse) − onehot(t)) in place,
-// 16 bytes per load and store.
+// 16 bytes per load and store. Every row is read in 16-byte packs from its first 16-byte boundary,
+// whatever V · sizeof(T) is (V = 32001, 50257, 151665 leave most rows unaligned): only the few
+// logits before that boundary and after the last whole pack go one by one.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,14 +81,32 @@ __device__ __forceinline__ void add_logits(float& m, float& s, const float (&x)[
   }
 }
 
-// One block per row. Rows whose logits start 16-byte aligned (vectorised: the base pointer and
-// V * sizeof(T) both multiples of 16) are read 16 bytes (N logits) per access, a few accesses in
-// flight per thread; other rows one logit at a time.
+// A row of v elements split for 16-byte accesses: `packs` packs of N = 16 / sizeof(T) elements from
+// element `head` (the row's first 16-byte boundary, head < N), and the elements outside them (the
+// head, and the tail from head + packs·N) one by one. A row's address is a multiple of sizeof(T).
+template <typename T>
+struct RowSplit {
+  static constexpr int N = 16 / sizeof(T);
+  int64_t head, packs, tail;
+
+  __device__ RowSplit(const T* row, int64_t v) {
+    const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(row) % 16);
+    head = misaligned == 0 ? 0 : min(v, (16 - misaligned) / static_cast<int64_t>(sizeof(T)));
+    packs = (v - head) / N;
+    tail = head + packs * N;
+  }
+
+  // The e-th element outside the packs (e < head + v - tail).
+  __device__ __forceinline__ int64_t unpacked(int64_t e) const { return e < head ? e : tail + (e - head); }
+  __device__ __forceinline__ int64_t unpacked_count(int64_t v) const { return head + v - tail; }
+};
+
+// One block per row: 16 bytes (N logits) per access, a few accesses in flight per thread (RowSplit).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     row_loss_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets, int64_t v,
-                    int64_t ignore_index, bool vectorised, float* __restrict__ loss, float* __restrict__ lse) {
-  constexpr int N = 16 / sizeof(T);
+                    int64_t ignore_index, float* __restrict__ loss, float* __restrict__ lse) {
+  constexpr int N = RowSplit<T>::N;
   const int64_t r = blockIdx.x;
   const int64_t t = targets[r];
   if (t == ignore_index) {
@@ -95,21 +115,20 @@ __global__ void __launch_bounds__(kThreads)
   }
   CUDA_KERNEL_ASSERT(t >= 0 && t < v);
   const T* row = logits + r * v;
+  const RowSplit<T> split(row, v);
   float m = -INFINITY, s = 0.f;
-  int64_t j = threadIdx.x;
-  if (vectorised) {
-    const auto* packs = reinterpret_cast<const Pack<T, N>*>(row);
+  const auto* packs = reinterpret_cast<const Pack<T, N>*>(row + split.head);
 #pragma unroll 4
-    for (int64_t k = threadIdx.x; k < v / N; k += blockDim.x) {
-      const Pack<T, N> p = packs[k];
-      float x[N];
+  for (int64_t k = threadIdx.x; k < split.packs; k += blockDim.x) {
+    const Pack<T, N> p = packs[k];
+    float x[N];
 #pragma unroll
-      for (int e = 0; e < N; ++e) x[e] = to_float(p.v[e]);
-      add_logits(m, s, x);
-    }
-    j += v / N * N;  // the tail of fewer than N logits
+    for (int e = 0; e < N; ++e) x[e] = to_float(p.v[e]);
+    add_logits(m, s, x);
   }
-  for (; j < v; j += blockDim.x) add_logit(m, s, to_float(row[j]));
+  for (int64_t e = threadIdx.x; e < split.unpacked_count(v); e += blockDim.x) {
+    add_logit(m, s, to_float(row[split.unpacked(e)]));
+  }
   block_reduce_pair(m, s, -INFINITY, 0.f, [](float& m1, float& s1, float m2, float s2) { merge(m1, s1, m2, s2); });
   if (threadIdx.x == 0) {
     lse[r] = logsumexp_of(m, s);
@@ -120,9 +139,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 void launch_row_loss(const T* logits, int64_t rows, int64_t v, const int64_t* targets, int64_t ignore_index,
                      float* loss, float* lse, cudaStream_t stream) {
-  const bool vectorised = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (v * sizeof(T)) % 16 == 0;
-  row_loss_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, targets, v, ignore_index,
-                                                                       vectorised, loss, lse);
+  row_loss_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, targets, v, ignore_index, loss,
+                                                                       lse);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -168,13 +186,13 @@ __device__ __forceinline__ float grad_logit(float x, int64_t j, int64_t t, float
   return j == t ? g * expm1f(x - l) : g * expf(x - l);
 }
 
-// One block per row, as row_loss_kernel (the same vectorised condition); an ignored row becomes 0.
+// One block per row, read and written as row_loss_kernel reads (RowSplit); an ignored row becomes 0.
 // Each element is read and written by the same thread, so the row is rewritten in place safely.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     grad_logits_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets, const float* __restrict__ lse,
-                       const float* __restrict__ grad_loss, int64_t v, int64_t ignore_index, bool vectorised) {
-  constexpr int N = 16 / sizeof(T);
+                       const float* __restrict__ grad_loss, int64_t v, int64_t ignore_index) {
+  constexpr int N = RowSplit<T>::N;
   const int64_t r = blockIdx.x;
   const int64_t t = targets[r];
   T* row = logits + r * v;
@@ -183,21 +201,20 @@ __global__ void __launch_bounds__(kThreads)
     CUDA_KERNEL_ASSERT(t >= 0 && t < v);
   }
   const float l = lse[r], g = ignored ? 0.f : grad_loss[r];
-  int64_t j = threadIdx.x;
-  if (vectorised) {
-    auto* packs = reinterpret_cast<Pack<T, N>*>(row);
+  const RowSplit<T> split(row, v);
+  auto* packs = reinterpret_cast<Pack<T, N>*>(row + split.head);
 #pragma unroll 4
-    for (int64_t k = threadIdx.x; k < v / N; k += blockDim.x) {
-      Pack<T, N> p = packs[k];
+  for (int64_t k = threadIdx.x; k < split.packs; k += blockDim.x) {
+    Pack<T, N> p = packs[k];
+    const int64_t j = split.head + k * N;
 #pragma unroll
-      for (int e = 0; e < N; ++e) {
-        p.v[e] = ignored ? from_float<T>(0.f) : from_float<T>(grad_logit(to_float(p.v[e]), k * N + e, t, l, g));
-      }
-      packs[k] = p;
+    for (int e = 0; e < N; ++e) {
+      p.v[e] = ignored ? from_float<T>(0.f) : from_float<T>(grad_logit(to_float(p.v[e]), j + e, t, l, g));
     }
-    j += v / N * N;
+    packs[k] = p;
   }
-  for (; j < v; j += blockDim.x) {
+  for (int64_t e = threadIdx.x; e < split.unpacked_count(v); e += blockDim.x) {
+    const int64_t j = split.unpacked(e);
     row[j] = ignored ? from_float<T>(0.f) : from_float<T>(grad_logit(to_float(row[j]), j, t, l, g));
   }
 }
@@ -205,9 +222,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 void launch_grad_logits(T* logits, int64_t rows, int64_t v, const int64_t* targets, const float* lse,
                         const float* grad_loss, int64_t ignore_index, cudaStream_t stream) {
-  const bool vectorised = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (v * sizeof(T)) % 16 == 0;
   grad_logits_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, targets, lse, grad_loss, v,
-                                                                          ignore_index, vectorised);
+                                                                          ignore_index);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -29,9 +29,8 @@ def torch_loss(h, w, t, reduction):  # what a user writes (HF upcasts the logits
     return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), t, reduction=reduction)
 
 
-def adept_loss(h, w, t, reduction, chunk_rows=None):  # the training loss's op: gradients in the forward
-    total = adept_ext.ops.linear_cross_entropy_sum(h, w, t, chunk_rows=chunk_rows)
-    return total if reduction == "sum" else total / (t != IGNORE).sum()
+def adept_loss(h, w, t, reduction, chunk_rows=None):  # the public op, reduced: gradients in the forward
+    return adept_ext.linear_cross_entropy(h, w, t, chunk_rows=chunk_rows, reduction=reduction)
 
 
 def adept_rows_loss(h, w, t, reduction):  # per-row losses, the backward recomputes the logits

@@ -83,7 +83,8 @@ TABLES = {
          "shape": "forward+backward, N 2048 x H 576 x V 49152"},
         "head's forward+backward", by_provider(
             ("plain torch (`F.linear` + `F.cross_entropy`)", "torch"),
-            ("`ops.linear_cross_entropy_sum` (the training loss: gradients in the forward)", "adept_ext"),
+            ("`linear_cross_entropy(..., reduction=\"mean\")` (gradients in the forward; the training loss's path)",
+             "adept_ext"),
             ("`linear_cross_entropy(...).sum()` (the backward recomputes the logits)", "adept_ext_per_row")),
         [col("ms", "ms", metric="time"), col("× torch", "x", metric="time_vs_torch"),
          col("peak extra MB", "MB", metric="peak_extra_memory"),
