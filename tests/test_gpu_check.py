@@ -308,7 +308,7 @@ def test_train_step_large_fits_an_h100_unless_the_full_table_is_asked_for(monkey
 
     measured = []
 
-    def fake_measure(config, size, device_name):  # ours the fastest and smallest; the Trainer twice ours
+    def fake_measure(config, size, device_name, steps=None):  # ours the fastest and smallest; the Trainer twice ours
         measured.append(config)
         ours = config[1].startswith("adept_ext")
         return [1.0] * 4, 100.0 if ours else 200.0, 10.0

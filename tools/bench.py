@@ -5,6 +5,7 @@ the same data. Medians over repeats, after warm-up. What each measures: docs/ben
 
     python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|probe_scaling|eoupct_step|corpus|all
         [--size small|large] [--quick] [--json PATH] [--csv PATH] [--device cpu|cuda] [--full-table]
+        [--methods M1,M2] [--steps N]
     python tools/bench.py tables [--csv PATH] [--page PATH] [--check]
 
 adept_ext is imported as installed (make setup), or from a source tree built in place
@@ -44,6 +45,11 @@ def main(argv=None):
                         help="train_step --size large: every configuration, with and without activation "
                              "checkpointing, which needs an H200's memory (default: only those with checkpointing, "
                              "which fit an 80 GB H100)")
+    parser.add_argument("--methods", metavar="M1,M2",
+                        help="train_step: only these methods (full, lora, adept; default: every one)")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="train_step: measured steps per configuration, after the warm-up one (default: the "
+                             "size's: 1 at small, 3 at large)")
     parser.add_argument("--page", metavar="PATH", help="tables: the page to render (default docs/benchmarks.md)")
     parser.add_argument("--check", action="store_true", help="tables: only check that the page is up to date")
     parser.add_argument("--imports-only", action="store_true",

@@ -118,7 +118,7 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
                                     if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad))
     moments = int((trainable - embeddings) * moment_bytes(cfg.optim) + embeddings * moment_bytes("adamw_torch"))
     # the float32 gradient: sharded, but whole on each rank under FSDP2 while micro-batches accumulate unsynced
-    gradient = trainable * 4 // (shards if cfg.grad_accum == 1 else 1)
+    gradient = trainable * 4 // (1 if shards > 1 and cfg.grad_accum > 1 else shards)
     optimizer = gradient + moments // shards + step_bytes(cfg.optim, trainable // shards)
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
     logits = 0 if fused else 8 * c.vocab_size

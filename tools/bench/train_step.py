@@ -119,11 +119,12 @@ def trainer_steps(task, method, batch, device, bf16, steps, checkpointing, liger
     return times
 
 
-def measure(config, size, device_name, setup_only=False, state=None):
-    """In a fresh process: build the model (setup) then run the configuration's steps; returns
-    (step times, peak MB above the built model)."""
+def measure(config, size, device_name, steps=None):
+    """In a fresh process: build the model (setup) then run the configuration's steps (the warm-up
+    one, then `steps` measured, default the size's); returns (step times, peak MB above the built model)."""
     method, loop, checkpointing = config
-    shape, batch_size, seq, steps = SIZES[size]
+    shape, batch_size, seq, size_steps = SIZES[size]
+    steps = steps or size_steps
     device = torch.device(device_name)
     bf16 = device.type == "cuda"
     model = random_model(shape, torch.float32, device)
@@ -149,14 +150,14 @@ def measure(config, size, device_name, setup_only=False, state=None):
     return times, peak, weights_mb
 
 
-def _child(queue, config, size, device_name):
-    queue.put(measure(config, size, device_name))
+def _child(queue, config, size, device_name, steps):
+    queue.put(measure(config, size, device_name, steps))
 
 
-def in_fresh_process(config, size, device_name):
+def in_fresh_process(config, size, device_name, steps=None):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, config, size, device_name))
+    proc = ctx.Process(target=_child, args=(queue, config, size, device_name, steps))
     proc.start()
     proc.join()  # the small result fits the queue's pipe: the child exits without waiting for a reader
     if proc.exitcode != 0:  # e.g. killed for memory (-9)
@@ -172,6 +173,11 @@ def run(args, device):
     size = "quick" if args.quick else args.size
     checkpointing_only = size == "large" and not args.full_table  # what fits an 80 GB H100
     shape, batch_size, seq, steps = SIZES[size]
+    steps = getattr(args, "steps", None) or steps
+    methods = (getattr(args, "methods", None) or ",".join(METHODS)).split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"train_step --methods: unknown {', '.join(unknown)} (choose among {', '.join(METHODS)})")
     tokens = batch_size * seq
     results = {"model": shape, "batch": batch_size, "seq": seq, "measured_steps": steps,
                "dtype": "float32" if device.type == "cpu" else "bf16 autocast; weights float32 (Trainer) or frozen "
@@ -181,9 +187,11 @@ def run(args, device):
     print(f"\none optimizer step, {shape}, {batch_size} x {seq} tokens, device {device} "
           f"({torch.get_num_threads()} threads); each configuration in a fresh process")
     for method, loop, checkpointing in configurations(results["liger_installed"], size, checkpointing_only):
+        if method not in methods:
+            continue
         name, providers = label(loop, checkpointing), results["methods"].setdefault(method, {})
         try:
-            times, peak, weights_mb = in_fresh_process((method, loop, checkpointing), size, str(device))
+            times, peak, weights_mb = in_fresh_process((method, loop, checkpointing), size, str(device), steps)
         except RuntimeError as e:  # one configuration that does not fit is a result, not the end of the run
             providers[name] = {"error": str(e)}
             print(f"{method:6} {name:28} failed: {e}", flush=True)
