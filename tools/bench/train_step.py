@@ -72,7 +72,7 @@ def our_steps(task, batch, device, bf16, steps, loss_implementation, checkpointi
     cfg = SimpleNamespace(steps=steps, grad_accum=1, batch_size=batch["input_ids"].shape[0], lr=1e-4,
                           max_length=batch["input_ids"].shape[1], max_grad_norm=1.0, weight_decay=0.01, warmup_steps=0,
                           logging_steps=1,  # one loss read per step: the per-step timing waits for the GPU
-                          dataloader_num_workers=0)
+                          dataloader_num_workers=0, optim="adamw_torch")
     task.loss_implementation = loss_implementation
     activation_checkpointing(task.model, checkpointing)
     compile_each_layer(task.model, compile_layers)
