@@ -167,6 +167,19 @@ def test_train_step_rows_and_configurations():
     assert {(r["provider"], r["metric"]): r["value"] for r in rows}[("adept_ext", "peak_memory_vs_trainer")] == 0.5
 
 
+def test_our_train_step_runs_a_step_of_the_runner_s_loop():
+    """`our_steps` drives `training.train_steps` with the options it reads (a missing one, as `optim`
+    once was, failed every adept_ext configuration of the benchmark): one step on a tiny Llama."""
+    from bench import train_step
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", layers=2)
+    batch = common.random_batches(model.config.vocab_size, 1, 2, 16, torch.device("cpu"))[0]
+    task = train_step.prepared_task("lora", model, torch.device("cpu"), 1)
+    times = train_step.our_steps(task, batch, torch.device("cpu"), False, 1, "auto", False)
+    assert len(times) == 1 and times[0] > 0
+
+
 def test_a_quick_run_appends_its_rows_to_the_csv(tmp_path):
     path = tmp_path / "rows.csv"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
