@@ -1,7 +1,7 @@
-"""Typed wrappers of the compiled ops (one module per op: `taylor`, `cross_entropy`, `null_space`),
-their argument checks (`checks`), their fake, autograd and autocast registrations (`registration`)
-and the one place private torch APIs are used (`torch_internals`). See docs/design.md, "Conventions"."""
-from . import registration  # noqa: F401  (registers the fakes, autograd and autocast kernels)
+"""The compiled ops, one module per op (`taylor`, `cross_entropy`, `null_space`): its typed wrapper,
+fake, autograd formula and autocast rule together; their argument checks (`checks`), what they share
+(`registration`: the kernel library, the not-differentiable ops' autograd) and the one place private
+torch APIs are used (`torch_internals`). See docs/design.md, "Conventions"."""
 from .checks import BASIS_DTYPES, SUPPORTED_DTYPES, check_cuda_device, check_device_arch, compiled_cuda_arch_list
 from .cross_entropy import (CPU_CHUNK_LOGITS, CPU_GRAD_CHUNK_LOGITS, GPU_CHUNK_BYTES, GPU_MIN_CHUNK_ROWS,
                             WEIGHT_GRAD_PATHS, default_chunk_rows, linear_cross_entropy, linear_cross_entropy_backward,

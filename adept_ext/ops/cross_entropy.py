@@ -5,7 +5,9 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from . import torch_internals
 from .checks import SUPPORTED_DTYPES, check_device_arch
+from .registration import LIB
 
 # linear_cross_entropy's default chunking bounds the logits of one chunk, the GEMM's output.
 # CPU: 2^23 logits (32 MB in float32; the kernel's own default, sized for 2 cores' caches); 2^25 when
@@ -210,7 +212,7 @@ def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor,
 
 
 # An op of its own, so that torch.compile traces the backward as one node with a fake impl
-# (ops/registration.py registers it and the forward's autograd formula).
+# (its fake and the forward's autograd formula are registered below).
 linear_cross_entropy_backward_op = torch.library.custom_op(
     "adept_ext::linear_cross_entropy_backward", linear_cross_entropy_backward, mutates_args=())
 
@@ -263,6 +265,118 @@ def linear_cross_entropy_sum_forward(hidden: torch.Tensor, weight: torch.Tensor,
     return losses.sum(), grad_hidden, grad_weight
 
 
-# An op of its own (traced as one node; ops/registration.py registers its fake and autograd).
+# An op of its own (traced as one node; its fake and autograd are registered below).
 linear_cross_entropy_sum_op = torch.library.custom_op(
     "adept_ext::linear_cross_entropy_sum", linear_cross_entropy_sum_forward, mutates_args=())
+
+
+# Fakes: the output shapes and dtypes, without computing anything (torch.compile(fullgraph=True)).
+
+@torch.library.register_fake("adept_ext::linear_cross_entropy")
+def _linear_cross_entropy_fake(hidden, weight, targets, ignore_index, chunk_rows):
+    n = hidden.shape[0]
+    return hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.register_fake("adept_ext::linear_cross_entropy_grad_logits_")
+def _linear_cross_entropy_grad_logits_fake(logits, targets, lse, grad_loss, ignore_index):
+    return None
+
+
+@torch.library.register_fake("adept_ext::linear_cross_entropy_rows")
+def _linear_cross_entropy_rows_fake(logits, targets, ignore_index):
+    n = logits.shape[0]
+    return logits.new_empty((n,), dtype=torch.float32), logits.new_empty((n,), dtype=torch.float32)
+
+
+@linear_cross_entropy_sum_op.register_fake
+def _linear_cross_entropy_sum_fake(hidden, weight, targets, ignore_index, chunk_rows, need_hidden, need_weight):
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape if need_hidden else (0,)),
+            weight.new_empty(weight.shape if need_weight else (0,), dtype=torch.float32))
+
+
+@linear_cross_entropy_backward_op.register_fake
+def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, targets, lse, ignore_index, chunk_rows,
+                                        need_hidden, need_weight):
+    return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
+            weight.new_empty(weight.shape if need_weight else (0,)))
+
+
+# linear_cross_entropy's autograd: the forward saves its inputs and the per-row logsumexp (no
+# logits, no [N, V] buffer); the backward op recomputes one chunk of logits at a time.
+
+def _linear_cross_entropy_setup_context(ctx, inputs, output):
+    hidden, weight, targets, ignore_index, chunk_rows = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(hidden, weight, targets, lse)
+    ctx.ignore_index, ctx.chunk_rows = ignore_index, chunk_rows
+
+
+def _linear_cross_entropy_grad(ctx, grad_loss, grad_lse):
+    hidden, weight, targets, lse = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    grad_hidden, grad_weight = linear_cross_entropy_backward_op(
+        grad_loss, hidden, weight, targets, lse, ctx.ignore_index, ctx.chunk_rows, need_hidden, need_weight)
+    return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None, None, None
+
+
+torch.library.register_autograd("adept_ext::linear_cross_entropy", _linear_cross_entropy_grad,
+                                setup_context=_linear_cross_entropy_setup_context)
+
+
+# linear_cross_entropy_sum's autograd: the gradients were computed in the forward (for a loss of 1);
+# the backward scales them by the incoming scalar.
+
+def _linear_cross_entropy_sum_setup_context(ctx, inputs, output):
+    hidden, weight = inputs[:2]
+    _, grad_hidden, grad_weight = output
+    ctx.mark_non_differentiable(grad_hidden, grad_weight)
+    ctx.save_for_backward(grad_hidden, grad_weight)
+    ctx.dtype = weight.dtype
+
+
+def _linear_cross_entropy_sum_grad(ctx, grad_total, *unused):
+    if torch.is_grad_enabled():  # create_graph=True: the stored gradients are constants
+        raise RuntimeError("linear_cross_entropy_sum is not twice differentiable (its gradients are computed "
+                           "in the forward); use linear_cross_entropy(...).sum() for a double backward")
+    grad_hidden, grad_weight = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    # scaled in place: no second [V, H] gradient at the peak (a second backward through the same graph,
+    # retain_graph=True, then raises autograd's "modified by an inplace operation" error)
+    return ((_scale_in_float32_(grad_hidden, grad_total) if need_hidden else None),
+            (grad_weight.mul_(grad_total).to(ctx.dtype) if need_weight else None), None, None, None, None, None)
+
+
+def _scale_in_float32_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """t *= scale (a float32 scalar tensor) with the product in float32, in place. A bfloat16/float16 t
+    goes through a float32 copy of it (transient, [N, H]), on every device: a factor rounded to t's
+    dtype would bias every element the same way, by up to 2^-8 = 0.39 % in bfloat16 for scale = 1/N."""
+    if t.dtype == torch.float32:
+        return t.mul_(scale)
+    return t.copy_(t.float().mul_(scale))
+
+
+linear_cross_entropy_sum_op.register_autograd(_linear_cross_entropy_sum_grad,
+                                              setup_context=_linear_cross_entropy_sum_setup_context)
+
+
+def _register_linear_cross_entropy_autocast(device_type: str) -> None:
+    """Under autocast, hidden and weight are cast to the autocast dtype before the op (as
+    `F.linear` is), so the forward GEMM, the tensors saved for backward and the backward's
+    recomputed logits all use that dtype, wherever `backward()` is called. (Registered by hand
+    rather than with `torch.library.register_autocast`, whose cast dtype is fixed: this one
+    reads the active autocast dtype, bfloat16 or float16.)"""
+    key = torch_internals.autocast_dispatch_key(device_type)
+    op = torch.ops.adept_ext.linear_cross_entropy.default
+
+    def kernel(keyset, hidden, weight, targets, ignore_index, chunk_rows):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch_internals.excluding_dispatch_key(key):
+            return op(hidden.to(dtype), weight.to(dtype), targets, ignore_index, chunk_rows)
+
+    LIB.impl("linear_cross_entropy", kernel, key, with_keyset=True)
+
+
+for _device_type in ("cpu", "cuda"):
+    _register_linear_cross_entropy_autocast(_device_type)

@@ -72,3 +72,18 @@ def conflict_correct_(g_new: Sequence[torch.Tensor], g_pre: Sequence[torch.Tenso
         raise ValueError(f"{name}: eps must be >= 0, got {eps}")
     return call_as_data(torch.ops.adept_ext.conflict_correct_.default, detached(g_new), detached(g_pre),
                         float(lam), float(eps))
+
+
+@torch.library.register_fake("adept_ext::null_space_coeffs")
+def _null_space_coeffs_fake(basis, grads):
+    return grads[0].new_empty((basis[0].shape[0],), dtype=torch.float64)
+
+
+@torch.library.register_fake("adept_ext::null_space_apply_")
+def _null_space_apply_fake(basis, grads, coeffs):
+    return None
+
+
+@torch.library.register_fake("adept_ext::conflict_correct_")
+def _conflict_correct_fake(g_new, g_pre, lam, eps):
+    return g_new[0].new_empty((4,), dtype=torch.float64)

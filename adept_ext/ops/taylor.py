@@ -49,3 +49,13 @@ def taylor_importance(
     if n > 0:
         call_as_data(torch.ops.adept_ext.taylor_importance_out.default, params, grads, out, accumulate)
     return out
+
+
+@torch.library.register_fake("adept_ext::taylor_importance")
+def _taylor_importance_fake(params, grads):
+    return params[0].new_empty((len(params), 2), dtype=torch.float32)
+
+
+@torch.library.register_fake("adept_ext::taylor_importance_out")
+def _taylor_importance_out_fake(params, grads, out, accumulate):
+    return None
