@@ -56,7 +56,7 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
     total, count = 0.0, 0
     try:
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
-            n = int((batch["labels"][:, 1:] != -100).sum())
+            n = int(lm_loss.labelled_tokens([batch]))  # on the host, before the batch moves
             batch = to_device(batch, device, vocab)
             with held.autocast_for(model, device):
                 total += float(next_token_loss(model, batch, loss_implementation)) * n
