@@ -93,9 +93,10 @@ def check_benchmarks(tasks: Sequence[str], include_path: str = "", limit: int = 
         folder = Path(include_path)
         if not folder.is_dir():
             raise RunError(f"--include-path {include_path}: no such folder")
-        if not any(folder.rglob("*.yaml")):
+        files = sorted(folder.rglob("*.yaml"))
+        if not files:
             raise RunError(f"--include-path {include_path}: no YAML task file (*.yaml) in it")
-        code = sorted(str(f) for f in folder.rglob("*.yaml") if "!function" in f.read_text(errors="replace"))
+        code = [str(f) for f in files if "!function" in f.read_text(errors="replace")]
         if code:  # lm-eval's YAML tag that imports a Python file beside the YAML and runs its function
             logger.warning("--include-path %s: %s name Python functions (!function), which lm-eval imports and "
                            "runs as this process: use only task folders you trust", include_path, ", ".join(code))

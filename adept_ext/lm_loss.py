@@ -153,8 +153,8 @@ def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str =
                     num_items=None) -> torch.Tensor:
     """The next-token loss of `batch` (input_ids, attention_mask, labels; or a packed row's input_ids,
     labels and position_ids, `data.packing`, in the layout `packed_layout` gives, every key passed to the
-    model) under `model` (a Hugging
-    Face causal LM, or one wrapped by DDP, FSDP2 or PEFT): the mean over its labelled tokens, or,
+    model) under `model` (a Hugging Face causal LM, or one wrapped by DDP, FSDP2 or PEFT): the mean over
+    its labelled tokens, or,
     given `num_items` (Hugging Face's `num_items_in_batch`: the labelled tokens of a whole
     optimizer step, a number or a tensor), the sum over them / `num_items`, so that micro-batches
     with different numbers of labelled tokens add up to the step's mean. Fused (see the module
