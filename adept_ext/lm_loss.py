@@ -12,6 +12,7 @@ hook on the final norm takes its output. A head that is not a plain linear map (
 soft-capped or scaled logits, a wrapped head) would make the fused loss differ from the
 model's own: `hf_head_reason` says why, and `implementation="auto"` then runs HF's loss.
 """
+from contextlib import contextmanager
 from typing import Dict, Optional
 
 import torch
@@ -149,6 +150,19 @@ def labelled_tokens(batches) -> torch.Tensor:
     return sum((batch["labels"][..., 1:] != IGNORE_INDEX).sum() for batch in batches)
 
 
+@contextmanager
+def final_hidden(model):
+    """Yields a list that receives the output of `model`'s final norm (the hidden states the LM
+    head reads, [B, T, H], in the graph) on every forward inside the block."""
+    caught = []
+    handle = adapter(base_model(model)).final_norm.register_forward_hook(
+        lambda module, args, output: caught.append(output))
+    try:
+        yield caught
+    finally:
+        handle.remove()
+
+
 def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str = "auto",
                     num_items=None) -> torch.Tensor:
     """The next-token loss of `batch` (input_ids, attention_mask, labels; or a packed row's input_ids,
@@ -166,12 +180,8 @@ def next_token_loss(model, batch: Dict[str, torch.Tensor], implementation: str =
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     ad = adapter(base_model(model))
-    caught = []
-    handle = ad.final_norm.register_forward_hook(lambda module, args, output: caught.append(output))
-    try:
+    with final_hidden(model) as caught:
         model(**inputs, use_cache=False, logits_to_keep=labels.new_empty(0))
-    finally:
-        handle.remove()
     hidden = caught[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
     total = ad.head_loss_sum(hidden.reshape(-1, hidden.shape[-1]), targets)  # the fused op, Granite's scale on h

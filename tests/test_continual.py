@@ -282,10 +282,16 @@ def kill_inside_the_second_task(monkeypatch, cfg):
     assert (Path(cfg.out) / "checkpoint.pt").exists()
 
 
-@pytest.mark.parametrize("method", ["seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task"])
-def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method):
-    full = run(options(workspace, f"whole-{method}", method=method, steps=4), progress=False, log=quiet)
-    kill_inside_the_second_task(monkeypatch, options(workspace, f"killed-{method}", method=method, steps=4))
+REPLAY_EVERY_OPTION = dict(replay_base="lora", replay_ratio=0.5, replay_select="surprise", replay_distill=1.0,
+                           replay_distill_top_k=5)
+
+
+@pytest.mark.parametrize("method,extra", [(m, {}) for m in ("seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal",
+                                                             "per_task")] + [("replay", REPLAY_EVERY_OPTION)],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method, extra):
+    full = run(options(workspace, f"whole-{method}", method=method, steps=4, **extra), progress=False, log=quiet)
+    kill_inside_the_second_task(monkeypatch, options(workspace, f"killed-{method}", method=method, steps=4, **extra))
     import adept_ext.continual as continual_module
 
     loaded, real_load = [], continual_module.load_model
@@ -297,7 +303,7 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
         return model, tokenizer
 
     monkeypatch.setattr(continual_module, "load_model", load_model_once_the_last_is_freed)
-    resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True),
+    resumed = run(options(workspace, f"killed-{method}", method=method, steps=4, resume=True, **extra),
                   progress=False, log=quiet)
     assert len(loaded) == 2  # the base model (data, checks), then the model of the completed first task
     flat = lambda m: [v for row in m for v in row]  # noqa: E731
@@ -305,6 +311,9 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
     assert resumed["general_loss"] == pytest.approx(full["general_loss"], rel=1e-5)
     losses = lambda report: [entry["loss"] for task in report["history"] for entry in task]  # noqa: E731
     assert losses(resumed) == pytest.approx(losses(full), rel=1e-5)  # the same batches in the same order
+    assert [t.get("replay") for t in resumed["per_task"]] == [t.get("replay") for t in full["per_task"]]
+    if method == "replay":  # steps 4 x batch 2, half of each batch from the buffer: 4 replayed rows in task 2
+        assert [t["replay"]["replayed_rows"] for t in full["per_task"]] == [0, 4]
 
 
 def test_builtin_sequence_tasks(workspace):
@@ -335,25 +344,27 @@ def test_text_tasks_are_memory_mapped_views_with_the_in_memory_blocks_and_split(
 
 
 def test_replay_mixes_views_into_the_blocks_the_tensor_mixture_gave(workspace):
-    """Replay's buffer and shuffle as views (nothing copied) equal the mixture built from tensors
-    (the implementation before views): same rows, same order, text and instruction tasks mixed."""
+    """Replay's buffer and shuffle as views (nothing copied) equal the mixture built from tensors:
+    same rows, same order, text and instruction tasks mixed, each row tagged with its slot."""
     import random
 
     tokenizer = load_model(workspace / "tiny")[1]
     tasks = load_tasks(f"{workspace / 'docs.txt'},{workspace / 'topics.jsonl'}", tokenizer, 32, seed=0)
     method = create("replay", options(workspace, "unused", method="replay", replay_fraction=0.5), sequence=True)
     method.prepare(tiny_model("llama", layers=2), Context(general_probe=[], seed=7))  # the buffer's seed: ctx.seed
+    method.kept = {0: method.choose(tasks[0].train)}
     mixed = method.train_blocks([t.train for t in tasks], 1)
-    rng = random.Random(7 * 1000 + 1)
     earlier, current = tasks[0].train.tensors(), tasks[1].train.tensors()
     n = earlier["input_ids"].shape[0]
-    rows = torch.tensor(sorted(rng.sample(range(n), max(1, round(0.5 * n)))))
+    rows = torch.tensor(method.kept[0])
+    assert len(rows) == max(1, round(0.5 * n)) == len(set(method.kept[0]))
     expected = {k: torch.cat([current[k], earlier[k][rows]]) for k in current}
+    expected["replay_slot"] = torch.cat([torch.full((len(current["input_ids"]),), -1), torch.arange(len(rows))])
     order = list(range(expected["input_ids"].shape[0]))
-    rng.shuffle(order)
+    random.Random(7 * 1000 + 1).shuffle(order)
     got = mixed.tensors()
+    assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k][torch.tensor(order)]) for k in expected)
-    assert data.ConcatBlocks([tasks[0].train, tasks[1].train]).rows([]).keys() == expected.keys()
 
 
 @pytest.mark.parametrize("change,message", [

@@ -8,13 +8,14 @@ Hugging Face datasets, and `corpus_blocks`, the entry point every runner reads a
 from .blocks import (BlockSet, ConcatBlocks, LazyBatches, PackedBlocks, TensorBlocks, batches, block_rows,
                      check_labels, document_bos, document_ids, first_blocks, interleave_blocks, mix_blocks,
                      pack_stream, pad_id, pad_rows, shuffled_view, split_blocks, split_indices, split_views,
-                     token_blocks)
+                     TaggedBlocks, token_blocks)
 from .large_corpus import BlockStream, StreamBatches, corpus_blocks, load_documents, packed_blocks, tokenize
 from .sources import (BUILTIN_CORPORA, FILE_SUFFIXES, TEXT_SUFFIXES, bbc_news_labelled, bbc_news_texts, corpus_files,
                       iter_documents, load_texts, python_docs_texts, python_source_texts)
 
 __all__ = ["BUILTIN_CORPORA", "BlockSet", "BlockStream", "ConcatBlocks", "FILE_SUFFIXES", "LazyBatches",
-           "PackedBlocks", "StreamBatches", "TEXT_SUFFIXES", "TensorBlocks", "batches", "bbc_news_labelled",
+           "PackedBlocks", "StreamBatches", "TEXT_SUFFIXES",
+           "TaggedBlocks", "TensorBlocks", "batches", "bbc_news_labelled",
            "bbc_news_texts", "block_rows", "check_labels", "corpus_blocks", "corpus_files",
            "document_bos", "document_ids", "first_blocks", "interleave_blocks",
            "iter_documents", "load_documents", "load_texts", "mix_blocks", "pack_stream", "packed_blocks", "pad_id",

@@ -151,7 +151,9 @@ class TensorBlocks:
 
 class ConcatBlocks:
     """The blocks of `parts` (each with `len` and `rows`, all of one block length) one after
-    another: replay's mixture of a task's blocks and its buffer, read on access."""
+    another: replay's mixture of a task's blocks and its buffer, read on access. A tag column
+    (`TaggedBlocks`, one value per block) that some parts lack is -1 on their blocks (general
+    blocks mixed into replay's tagged rows); every other column must be in every part."""
 
     def __init__(self, parts: Sequence):
         self.parts = list(parts)
@@ -165,11 +167,35 @@ class ConcatBlocks:
         owner = np.searchsorted(self.starts, indices, side="right") - 1
         pieces = [(np.nonzero(owner == j)[0], self.parts[j].rows(indices[owner == j] - self.starts[j]))
                   for j in np.unique(owner)] or [(indices, self.parts[0].rows(indices))]
-        out = {k: v.new_empty((len(indices), *v.shape[1:])) for k, v in pieces[0][1].items()}
+        columns = {k: v for _, got in pieces for k, v in got.items()}
+        out = {k: (v.new_full((len(indices),), -1) if v.dim() == 1 else v.new_empty((len(indices), *v.shape[1:])))
+               for k, v in columns.items()}
         for where, got in pieces:
+            lacking = [k for k in columns if k not in got and columns[k].dim() > 1]
+            if lacking:
+                raise InputError(f"blocks without the column(s) {lacking} mixed with blocks that have them")
             for k, v in got.items():
                 out[k][torch.from_numpy(where)] = v
         return out
+
+
+class TaggedBlocks:
+    """The blocks of `source` with one more column `name` holding `values[i]` for block i (an
+    int64 [n] array): replay's slot numbers (-1 for a task's own rows, the buffer row's slot for
+    replayed ones), so a loss can tell which rows of a batch were replayed. A view."""
+
+    def __init__(self, source, name: str, values: np.ndarray):
+        values = np.asarray(values, dtype=np.int64)
+        if len(values) != len(source):
+            raise InputError(f"{len(values)} values of {name!r} for {len(source)} blocks")
+        self.source, self.name, self.values = source, name, values
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def rows(self, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
+        indices = np.asarray(indices, dtype=np.int64)
+        return {**self.source.rows(indices), self.name: torch.from_numpy(self.values[indices])}
 
 
 class BlockSet:

@@ -1,33 +1,75 @@
-"""Experience replay (docs/methods.md §5), the simplest strong continual-learning baseline: while task t
-trains, a buffer of the earlier tasks' training examples is mixed into its data — from each
-earlier task max(1, round(f·n_i)) of its n_i training blocks, f = `fraction` (option
-`replay_fraction`, default 0.02), drawn once per task with the run's seed (ctx.seed) — on top of
-`seq_full` (default) or `seq_lora` (`base`, option `replay_base`; the LoRA's rank: `rank`)."""
+"""Experience replay (docs/methods.md §5), the simplest strong continual-learning baseline, on top of
+`seq_full` (default) or `seq_lora` (`base`, option `replay_base`; the LoRA's rank: `rank`).
+
+The buffer: when task i ends, m_i = max(1, round(f·n_i)) of its n_i training rows are kept,
+f = `fraction` (`replay_fraction`), chosen by `select` (`replay_select`, seeded by the run's seed):
+random (a draw), balanced (the same count per answer — a row's labelled tokens — round robin over
+the answers) or surprise (the m_i rows of highest loss under the model at the task's end; SuRe).
+
+The rate: with `ratio` R = 0 (`replay_ratio`) a later task trains on its own rows and the buffer,
+each row once, in one seeded shuffle; with R > 0 a share R of every batch's rows comes from the
+buffer, which is cycled (repeated as often as needed; `data.mix_blocks`), so a small buffer is seen
+as often as R asks.
+
+Distillation on the buffer (`distill` α > 0, `replay_distill`; DER++, SEEKR's top-k form): when task
+i ends, the model's k largest log-probabilities (`distill_top_k`) at each labelled position of the
+kept rows are stored; on a replayed row of a later task the loss adds
+
+    α · Σ_positions KL(q ‖ p) / N,   q_j = exp(s_j) / Σ_k exp(s_k) over the stored top-k s,
+                                     p = the current model's full next-token distribution,
+
+N being what the task loss divides by (the step's labelled tokens): a replayed token's KL weighs α
+times its cross-entropy. The rows a loss sees carry their buffer slot in the batch column
+`replay_slot` (-1: the task's own row), read once per micro-batch on the host when α > 0.
+"""
 import random
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List
 
+import numpy as np
+import torch
+
 from .. import data
+from ..errors import InputError
+from ..lm_loss import IGNORE_INDEX, base_model, final_hidden, packed_layout
+from ..models import adapter
 from .base import Method, MethodConfig, get_method, option, register
 from .full import SeqFullConfig
 from .lora import SeqLoraConfig
 
 BASES = ("full", "lora")
+SELECTIONS = ("random", "balanced", "surprise")
+SLOT = "replay_slot"  # the batch column naming a row's buffer slot (-1: the task's own row)
+SCORE_ROWS = 4  # rows per forward when the end of a task scores or distils its rows
 
 
 @dataclass(kw_only=True)
 class ReplayConfig(MethodConfig):
-    """The buffer's share f of each earlier task, and the method it is mixed into."""
+    """The buffer's share f of each earlier task, how it is chosen and replayed, and the method it is mixed into."""
 
     method: ClassVar[str] = "replay"
     fraction: float = option(0.02, "replay_fraction", help=(
-        "share of every earlier task's training blocks mixed into a later task"))
+        "share of every earlier task's training rows kept in the buffer"))
+    ratio: float = option(0.0, "replay_ratio", help=(
+        "share of every training batch drawn from the buffer, repeated as needed (0: each buffer row once, "
+        "shuffled into the task's rows)"))
+    select: str = option("random", "replay_select", help=(
+        "which rows a task keeps: random, balanced (equal count per answer) or surprise (highest loss under the "
+        "model at the task's end)"))
+    distill: float = option(0.0, "replay_distill", help=(
+        "weight α of KL(stored top-k ‖ model) on replayed rows (DER++-style distillation; 0: off)"))
+    distill_top_k: int = option(20, "replay_distill_top_k", help=(
+        "log-probabilities stored per labelled position of a buffer row (with --replay-distill)"))
     base: str = option("full", "replay_base", help="on top of seq_full (full) or seq_lora (lora)")
     rank: int = option(8, "lora_rank", help="LoRA rank of the seq_lora base (replay_base lora)")
 
     def __post_init__(self):
         super().__post_init__()
         self.require("fraction", 0 < self.fraction <= 1, "must be in (0, 1]")
+        self.require("ratio", 0 <= self.ratio < 1, "must be in [0, 1)")
+        self.require_one_of("select", SELECTIONS)
+        self.require("distill", np.isfinite(self.distill) and self.distill >= 0, "must be a finite number >= 0")
+        self.require("distill_top_k", self.distill_top_k >= 1, "must be >= 1")
         self.require_one_of("base", BASES)
         self.base_config()  # checks the base's own options
 
@@ -49,39 +91,195 @@ class Replay(Method):
         self.base = get_method(config.base_config())
         self.shardable = self.base.shardable
         self.trains_every_weight = self.base.trains_every_weight
-        self.seed = None  # the run's seed (ctx.seed, from prepare): the buffer's draws
+        self.own_loss_terms = config.distill > 0  # hf.MethodCallback cannot add them: it refuses the method
+        self.seed, self.task_index, self.blocks = None, 0, None  # from prepare and train_blocks
+        self.kept: Dict[int, List[int]] = {}  # task index -> its buffer rows (indices into its training rows)
+        self.stored: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its rows' stored top-k (distill)
+        self.replayed = 0  # buffer rows the current task's losses saw (a device tensor once counted)
 
     def prepare(self, model, ctx, layers=None):
-        self.seed = ctx.seed
+        self.seed, self.task_index, self.replayed = ctx.seed, ctx.task_index, 0
         setup = self.base.prepare(model, ctx, layers)
-        setup.summary += f" on its data plus a {self.config.fraction:.0%} replay buffer of earlier tasks"
+        rate = f", {self.config.ratio:.0%} of each batch" if self.config.ratio else ""
+        setup.summary += (f" on its data plus a {self.config.fraction:.0%} replay buffer of earlier tasks "
+                          f"({self.config.select}{rate})")
         return setup
 
     def train_blocks(self, blocks: List[data.BlockSet], task_index: int) -> data.BlockSet:
-        """Task `task_index`'s blocks with the buffer rows appended, in one seeded shuffle (read on
-        access: the task's blocks are not copied). After `prepare` (its seed)."""
-        rng = random.Random(self.seed * 1000 + task_index)
-        parts = [blocks[task_index]]
-        for earlier in blocks[:task_index]:
-            n = len(earlier)
-            parts.append(data.BlockSet(earlier, sorted(rng.sample(range(n), max(1, round(self.config.fraction * n))))))
-        mixed = data.ConcatBlocks(parts)  # every task's blocks are block_len wide
-        order = list(range(len(mixed)))
-        rng.shuffle(order)
-        return data.BlockSet(mixed, order)
+        """Task `task_index`'s rows with the earlier tasks' buffers (each kept when its task ended),
+        mixed by `ratio`, every row tagged with its slot (`SLOT`). A view: nothing is copied."""
+        missing = [i + 1 for i in range(task_index) if i not in self.kept]
+        if missing:
+            raise InputError(f"replay: no buffer of task(s) {missing}: finish() every earlier task of the sequence "
+                             f"(its end keeps the buffer) before training task {task_index + 1}")
+        self.blocks = blocks
+        own = data.TaggedBlocks(blocks[task_index], SLOT, np.full(len(blocks[task_index]), -1))
+        if task_index == 0:
+            return data.BlockSet(own)
+        kept = [data.BlockSet(blocks[i], self.kept[i]) for i in range(task_index)]
+        buffer = data.TaggedBlocks(data.ConcatBlocks(kept), SLOT, np.arange(sum(len(k) for k in kept)))
+        seed = self.seed * 1000 + task_index
+        if self.config.ratio:
+            return data.mix_blocks(data.BlockSet(own), data.BlockSet(buffer), self.config.ratio, seed)
+        order = list(range(len(own) + len(buffer)))
+        random.Random(seed).shuffle(order)
+        return data.BlockSet(data.ConcatBlocks([own, buffer]), order)
 
     def attach(self, optimizer):
         self.base.attach(optimizer)
 
     def loss(self, model, batch, loss_implementation: str = "auto", num_items=None, micro_batches: int = 1):
-        return self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
+        """The base method's loss of the batch (its `SLOT` column dropped), plus the distillation
+        term on its replayed rows (module docstring)."""
+        batch = dict(batch)
+        slots = batch.pop(SLOT, None)
+        if slots is None:  # a caller's own batches: no replayed row is known
+            return self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
+        self.replayed = self.replayed + (slots >= 0).sum()  # on the device: read when the task ends
+        if not self.config.distill or not self.stored:
+            return self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
+        with final_hidden(model) as caught:
+            loss = self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
+        rows, width = batch["input_ids"].shape
+        kl = self.distill_sum(model, caught[-1].reshape(rows, width, -1), slots)
+        labelled = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() if num_items is None else num_items
+        return loss + self.config.distill * kl / labelled
+
+    def distill_sum(self, model, hidden: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Σ over the replayed rows' stored positions of KL(q ‖ p) (module docstring); `hidden`
+        [B, T, H] the final norm's output, `slots` [B] (read on the host)."""
+        table = self.slot_table()
+        rows, positions, ids, logprobs = [], [], [], []
+        for row, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                stored, start, end = table[slot]
+                rows.append(torch.full((end - start,), row, dtype=torch.long))
+                positions.append(stored["positions"][start:end])
+                ids.append(stored["ids"][start:end])
+                logprobs.append(stored["logprobs"][start:end])
+        if not rows:
+            return hidden.new_zeros((), dtype=torch.float32)
+        device = hidden.device
+        picked = hidden[torch.cat(rows).to(device), torch.cat(positions).to(device)]
+        current = adapter(base_model(model)).head_logits(picked).float().log_softmax(-1)
+        target = torch.cat(logprobs).to(device).log_softmax(-1)  # q: the stored top-k renormalised
+        return (target.exp() * (target - current.gather(1, torch.cat(ids).to(device)))).sum()
+
+    def slot_table(self):
+        """Slot s -> (its task's stored tensors, start, end of its positions), slots numbered as
+        `train_blocks` numbers the buffer (task by task, in kept order)."""
+        table = []
+        for i in sorted(self.kept):
+            stored = self.stored[i]
+            offsets = stored["offsets"].tolist()
+            table += [(stored, offsets[r], offsets[r + 1]) for r in range(len(offsets) - 1)]
+        return table
 
     def end_task(self, model, out, report):
-        return self.base.end_task(model, out, report)
+        """The base method's end, then the task's buffer (and its stored top-k) from its training rows:
+        those `train_blocks` was given; none when it was not called (a later `train_blocks` refuses)."""
+        model = self.base.end_task(model, out, report)
+        if self.blocks is None:
+            return model
+        rows = self.blocks[self.task_index]
+        replayed = self.replayed
+        if torch.is_tensor(replayed):
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(replayed)
+            replayed = int(replayed)
+        losses = row_losses(model, rows) if self.config.select == "surprise" else None
+        self.kept[self.task_index] = self.choose(rows, losses)
+        entry = {"kept_rows": len(self.kept[self.task_index]), "replayed_rows": replayed}
+        if self.config.distill:
+            self.stored[self.task_index] = top_k_log_probs(model, data.BlockSet(rows, self.kept[self.task_index]),
+                                                           self.config.distill_top_k)
+            entry["stored_bytes"] = sum(t.numel() * t.element_size() for s in self.stored.values() for t in s.values())
+        report["replay"] = entry
+        return model
+
+    def choose(self, rows, losses=None) -> List[int]:
+        """The rows of a finished task its buffer keeps (module docstring), sorted."""
+        n = len(rows)
+        m = max(1, round(self.config.fraction * n))
+        rng = random.Random(self.seed * 1000 + 500 + self.task_index)
+        if self.config.select == "random":
+            return sorted(rng.sample(range(n), m))
+        if self.config.select == "surprise":
+            return sorted(np.argsort(-losses.numpy(), kind="stable")[:m].tolist())
+        labels = rows.rows(np.arange(n))["labels"]
+        groups: Dict[tuple, List[int]] = {}
+        for i, row in enumerate(labels.tolist()):
+            groups.setdefault(tuple(t for t in row if t != IGNORE_INDEX), []).append(i)
+        queues = [groups[key] for key in sorted(groups)]
+        rng.shuffle(queues)
+        for queue in queues:
+            rng.shuffle(queue)
+        chosen = []
+        while len(chosen) < m:  # round robin over the answers: equal counts, ±1
+            for queue in queues:
+                if queue and len(chosen) < m:
+                    chosen.append(queue.pop())
+        return sorted(chosen)
 
     def state_dict(self) -> Dict:
-        return self.base.state_dict()
+        replayed = int(self.replayed) if torch.is_tensor(self.replayed) else self.replayed
+        return {"base": self.base.state_dict(), "kept": {i: list(k) for i, k in self.kept.items()},
+                "stored": self.stored, "replayed": replayed}
 
     def load_state_dict(self, state: Dict):
-        self.base.load_state_dict(state)
+        self.base.load_state_dict(state["base"])
+        self.kept = {int(i): list(k) for i, k in state["kept"].items()}
+        self.stored = {int(i): dict(s) for i, s in state["stored"].items()}
+        self.replayed = state["replayed"]
 
+
+def labelled_hidden(model, rows):
+    """Per chunk of `SCORE_ROWS` rows of `rows`: (row index within `rows`, position, the final
+    norm's output at the position [P, H], the next token [P]) at every labelled position (a
+    position p whose label p+1 is scored), the model in eval mode, without gradients."""
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), SCORE_ROWS):
+                batch = rows.rows(np.arange(start, min(start + SCORE_ROWS, len(rows))))
+                labels = batch["labels"].to(device)
+                inputs = {k: v.to(device) for k, v in packed_layout(model, batch).items() if k not in (SLOT, "labels")}
+                with final_hidden(model) as caught:
+                    model(**inputs, use_cache=False, logits_to_keep=labels.new_empty(0))
+                targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+                row, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+                hidden = caught[-1].reshape(*labels.shape, -1)
+                yield start + row, position, hidden[row, position], targets[row, position]
+    finally:
+        model.train(training)
+
+
+def row_losses(model, rows) -> torch.Tensor:
+    """Each row's mean next-token loss over its labelled positions under `model` [len(rows)], float32 on the host."""
+    ad = adapter(base_model(model))
+    total, count = torch.zeros(len(rows)), torch.zeros(len(rows))
+    for row, _, hidden, target in labelled_hidden(model, rows):
+        total.index_add_(0, row.cpu(), ad.head_losses(hidden, target).float().cpu())
+        count.index_add_(0, row.cpu(), torch.ones(len(row)))
+    return total / count.clamp(min=1)
+
+
+def top_k_log_probs(model, rows, k: int) -> Dict[str, torch.Tensor]:
+    """The model's k largest next-token log-probabilities at every labelled position of `rows`, on
+    the host: positions [P] (int64), ids [P, k] (int64), logprobs [P, k] (float32), offsets
+    [len(rows) + 1] (row r's positions: offsets[r]:offsets[r+1])."""
+    ad = adapter(base_model(model))
+    positions, ids, logprobs, counts = [], [], [], torch.zeros(len(rows), dtype=torch.long)
+    for row, position, hidden, _ in labelled_hidden(model, rows):
+        top = ad.head_logits(hidden).float().log_softmax(-1).topk(min(k, ad.lm_head.weight.shape[0]), dim=-1)
+        positions.append(position.cpu())
+        ids.append(top.indices.cpu())
+        logprobs.append(top.values.cpu())
+        counts.index_add_(0, row.cpu(), torch.ones(len(row), dtype=torch.long))
+    width = min(k, ad.lm_head.weight.shape[0])
+    return {"positions": torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
+            "ids": torch.cat(ids) if ids else torch.zeros(0, width, dtype=torch.long),
+            "logprobs": torch.cat(logprobs) if logprobs else torch.zeros(0, width),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])}

@@ -1,0 +1,164 @@
+"""Replay's buffer (selection, rate) and its distillation, each against a direct computation."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import adept_ext
+from adept_ext import data
+from adept_ext.errors import InputError
+from adept_ext.hf import MethodCallback
+from adept_ext.methods import ReplayConfig, get_method
+from adept_ext.methods.replay import SLOT, row_losses, top_k_log_probs
+from tiny_models import tiny_model
+
+VOCAB = 40
+ANSWERS = {"a": [5, 6], "b": [7], "c": [8, 9]}
+
+
+def rows_with_answers(names, width=12, seed=0):
+    """Instruction-like rows: random prompt tokens, then the answer's tokens (labelled), then padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, VOCAB, (len(names), width), generator=g)
+    labels = torch.full_like(ids, -100)
+    mask = torch.ones_like(ids)
+    for i, name in enumerate(names):
+        answer = ANSWERS[name]
+        start = 6 + i % 3
+        ids[i, start:start + len(answer)] = torch.tensor(answer)
+        labels[i, start:start + len(answer)] = torch.tensor(answer)
+        mask[i, start + len(answer):] = 0
+        ids[i, start + len(answer):] = 0
+    return data.BlockSet(data.TensorBlocks({"input_ids": ids, "attention_mask": mask, "labels": labels}))
+
+
+def replay(seed=0, task_index=1, **options):
+    method = get_method(ReplayConfig(**options))
+    method.seed, method.task_index = seed, task_index
+    return method
+
+
+def test_the_ratio_draws_that_share_of_every_batch_from_the_buffer_repeating_it():
+    own, earlier = rows_with_answers(["a"] * 24, seed=1), rows_with_answers(["b"] * 40)
+    method = replay(ratio=0.25)
+    method.kept = {0: [3, 17]}
+    mixed = method.train_blocks([earlier, own], 1)
+    slots = [batch[SLOT] for batch in mixed.batches(4)]
+    assert all(int((s >= 0).sum()) == 1 for s in slots), [s.tolist() for s in slots]
+    assert len(mixed) == 32  # every own row once, one buffer row in four
+    rows = mixed.tensors()
+    own_rows = {tuple(r) for r in own.tensors()["input_ids"].tolist()}
+    assert sorted(tuple(r) for r in rows["input_ids"][rows[SLOT] < 0].tolist()) == sorted(own_rows)
+    replayed = rows["input_ids"][rows[SLOT] >= 0]
+    kept = earlier.tensors()["input_ids"][[3, 17]]
+    assert len(replayed) == 8 and all(any(torch.equal(r, k) for k in kept) for r in replayed)  # 2 rows, 4 times each
+    assert torch.equal(rows[SLOT][rows[SLOT] >= 0].sort().values, torch.tensor([0] * 4 + [1] * 4))
+
+
+def test_without_a_ratio_each_buffer_row_is_trained_once():
+    own, earlier = rows_with_answers(["a"] * 24, seed=1), rows_with_answers(["b"] * 40)
+    method = replay()
+    method.kept = {0: [3, 17]}
+    rows = method.train_blocks([earlier, own], 1).tensors()
+    assert len(rows["input_ids"]) == 26 and sorted(rows[SLOT].tolist()) == [-1] * 24 + [0, 1]
+
+
+def test_a_task_without_a_buffer_of_the_earlier_ones_is_refused():
+    with pytest.raises(InputError, match=r"no buffer of task\(s\) \[1\]"):
+        replay().train_blocks([rows_with_answers(["a"]), rows_with_answers(["b"])], 1)
+
+
+def test_balanced_keeps_the_same_count_of_every_answer_random_does_not():
+    rows = rows_with_answers(["a"] * 30 + ["b"] * 6 + ["c"] * 2)
+    answers = [tuple(r[r != -100].tolist()) for r in rows.tensors()["labels"]]
+    counts = lambda kept: sorted(Counter(answers[i] for i in kept).values())  # noqa: E731
+    balanced = replay(select="balanced", fraction=0.25, task_index=0).choose(rows)
+    assert len(balanced) == 10 and len(set(balanced)) == 10
+    assert counts(balanced) == [2, 4, 4]  # c has only two rows; a and b share the rest equally
+    drawn = replay(fraction=0.25, task_index=0).choose(rows)
+    assert len(drawn) == 10 and counts(drawn) != [2, 4, 4]
+
+
+def test_surprise_keeps_the_rows_of_highest_loss_under_the_model():
+    model = tiny_model("llama", layers=2, vocab=VOCAB)
+    rows = rows_with_answers(["a", "b", "c"] * 5)
+    batch = rows.tensors()
+    direct = torch.stack([model(input_ids=batch["input_ids"][i:i + 1], attention_mask=batch["attention_mask"][i:i + 1],
+                                labels=batch["labels"][i:i + 1]).loss for i in range(15)]).detach()
+    torch.testing.assert_close(row_losses(model, rows), direct, rtol=1e-5, atol=1e-6)
+    kept = replay(select="surprise", fraction=0.2, task_index=0).choose(rows, row_losses(model, rows))
+    assert kept == sorted(direct.argsort(descending=True)[:3].tolist())
+
+
+def labelled_log_probs(model, batch):
+    """(row, position, log-softmax [P, V]) at every position whose next token is labelled: from the full logits."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    row, position = (batch["labels"][:, 1:] != -100).nonzero(as_tuple=True)
+    return row, position, logits[row, position].float().log_softmax(-1)
+
+
+def test_the_stored_top_k_and_the_distillation_equal_a_direct_computation():
+    teacher = tiny_model("llama", layers=2, vocab=VOCAB)
+    earlier = rows_with_answers(["a", "b", "c", "a", "c"], seed=2)
+    k, alpha = 6, 0.7
+    stored = top_k_log_probs(teacher, earlier, k)
+    with torch.no_grad():
+        row, position, logp = labelled_log_probs(teacher, earlier.tensors())
+    top = logp.topk(k, dim=-1)
+    assert torch.equal(stored["positions"], position) and torch.equal(stored["ids"], top.indices)
+    torch.testing.assert_close(stored["logprobs"], top.values)
+    assert stored["offsets"].tolist() == [0] + torch.bincount(row, minlength=5).cumsum(0).tolist()
+
+    student = tiny_model("llama", layers=2, vocab=VOCAB, seed=1)
+    method = replay(distill=alpha)
+    method.kept, method.stored = {0: [0, 1, 2, 3, 4]}, {0: stored}
+    own = rows_with_answers(["b", "b"], seed=3).tensors()
+    replayed = earlier.rows([4, 1])
+    batch = {key: torch.cat([own[key], replayed[key]]) for key in own}
+    got = method.loss(student, {**batch, SLOT: torch.tensor([-1, -1, 4, 1])}, "hf")
+
+    out = student(**batch)
+    labelled = (batch["labels"][:, 1:] != -100).sum()
+    expected = out.loss
+    for r, slot in ((2, 4), (3, 1)):  # each replayed row: KL(q ‖ p) at its stored positions
+        start, end = stored["offsets"][slot], stored["offsets"][slot + 1]
+        p = out.logits[r, stored["positions"][start:end]].float().log_softmax(-1)
+        q = stored["logprobs"][start:end].log_softmax(-1)
+        expected = expected + alpha * (q.exp() * (q - p.gather(1, stored["ids"][start:end]))).sum() / labelled
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert method.replayed == 2
+    plain = method.loss(student, batch, "hf")  # a caller's own batch: no row is known to be replayed
+    torch.testing.assert_close(plain, out.loss)
+
+
+def test_the_trainer_callback_refuses_distillation_it_cannot_compute():
+    model = tiny_model("llama", layers=2, vocab=VOCAB)
+    task = adept_ext.prepare(model, get_method(ReplayConfig(distill=1.0, base="lora")), general_probe=[], lr=1e-3,
+                             total_steps=2, progress=False)
+    with pytest.raises(ValueError, match="--replay-distill"):
+        MethodCallback(task)
+
+
+def test_concatenated_blocks_fill_a_tag_that_some_parts_lack_and_refuse_other_gaps():
+    tagged = data.TaggedBlocks(rows_with_answers(["a", "b"]), SLOT, np.array([4, 5]))
+    plain = rows_with_answers(["c"])
+    rows = data.ConcatBlocks([plain, tagged]).rows([1, 0, 2])
+    assert rows[SLOT].tolist() == [4, -1, 5]
+    assert data.ConcatBlocks([tagged, plain]).rows([2, 0])[SLOT].tolist() == [-1, 4]
+    odd = data.TensorBlocks({**plain.tensors(), "position_ids": torch.zeros(1, 12, dtype=torch.long)})
+    with pytest.raises(InputError, match="position_ids"):
+        data.ConcatBlocks([plain, odd]).rows([0, 1])
+
+
+def test_the_end_of_a_task_keeps_its_buffer_and_reports_what_it_stored():
+    model = tiny_model("llama", layers=2, vocab=VOCAB)
+    rows = rows_with_answers(["a", "b", "c"] * 4)
+    method = replay(distill=1.0, distill_top_k=3, fraction=0.25, task_index=0)
+    method.blocks, report = [rows], {}
+    assert method.end_task(model, None, report) is model
+    kept = method.kept[0]
+    labelled = int((rows.rows(kept)["labels"][:, 1:] != -100).sum())
+    # positions and ids int64, log-probabilities float32, offsets int64
+    expected = labelled * 8 + labelled * 3 * 8 + labelled * 3 * 4 + (len(kept) + 1) * 8
+    assert report["replay"] == {"kept_rows": 3, "replayed_rows": 0, "stored_bytes": expected}
