@@ -156,7 +156,17 @@ class ModelAdapter:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits of final-norm outputs `hidden` (the head, Granite's scale, Gemma 2's
         soft-capping), in the head's dtype, as its own forward computes them."""
-        logits = self.lm_head(hidden)
+        return self.scaled_logits(self.lm_head(hidden))
+
+    def head_logits_over(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`head_logits(hidden)[..., ids]`, computed from the head's rows `ids` only ([..., len(ids)]):
+        a restricted softmax over a few tokens without the other V − len(ids) logits."""
+        bias = getattr(self.lm_head, "bias", None)
+        return self.scaled_logits(torch.nn.functional.linear(hidden, self.lm_head.weight[ids],
+                                                             None if bias is None else bias[ids]))
+
+    def scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output `logits` as the model's forward returns them: Granite's scale, Gemma 2's soft-capping."""
         logits = logits * self.logit_scale if self.logit_scale != 1 else logits
         return logits if self.logit_softcap is None else torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 

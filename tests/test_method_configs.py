@@ -72,7 +72,7 @@ FLAT = {
     "k": 3, "layers": "5,1,1", "boundary": "2", "placement": "uniform", "normalize": "global", "recompute_every": 7,
     "diagnosis_task": "context", "lora_rank": 3, "replay_fraction": 0.5,
     "replay_base": "lora", "replay_ratio": 0.25, "replay_select": "surprise", "replay_distill": 0.5,
-    "replay_distill_top_k": 7, "o_lora_lambda": 0.25,
+    "replay_distill_top_k": 7, "answer_loss": "label_space", "o_lora_lambda": 0.25,
     "o_lora_penalty": "l1", "osf_effective_rank": 0.25, "osf_rank_step": 0.25,
     "deal_rank": 5, "deal_filter": "haar", "deal_filter_on": "b", "deal_scales": 2, "deal_lambda1": 0.5,
     "deal_a": 4.0, "deal_lambda2": 0.2, "deal_b": 3.0, "deal_new_rank": 3,
@@ -84,7 +84,7 @@ FLAT = {
 }
 PARSED = {"layers": [1, 5]}
 # Options whose non-default value refuses some of FLAT's (deal_variant public_code: the paper's filter options).
-EXCLUSIVE = {"deal_variant": "public_code"}
+EXCLUSIVE = {"deal_variant": "public_code", "replay_source": "none"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -155,6 +155,11 @@ INVALID = [
     (ReplayConfig, dict(distill=math.inf), "replay_distill must be a finite number >= 0",
      dict(replay_distill=math.inf)),
     (ReplayConfig, dict(distill_top_k=0), "replay_distill_top_k must be >= 1", dict(replay_distill_top_k=0)),
+    (ReplayConfig, dict(source="generated"), "replay_source must be one of", dict(replay_source="generated")),
+    (ReplayConfig, dict(answer_loss="focal"), "answer_loss must be one of token, label_space",
+     dict(answer_loss="focal")),
+    (ReplayConfig, dict(source="none", distill=1.0), "replay_distill is taken only with a buffer",
+     dict(replay_source="none", replay_distill=1.0)),
     (ReplayConfig, dict(base="lora", rank=0), "lora_rank must be >= 1, got 0", dict(replay_base="lora", lora_rank=0)),
     (AdeptSeqConfig, dict(k=0), "k must be >= 1", dict(k=0)),
     (AdeptSeqConfig, dict(normalize="zscore"), "normalize must be one of", dict(normalize="zscore")),

@@ -162,3 +162,51 @@ def test_the_end_of_a_task_keeps_its_buffer_and_reports_what_it_stored():
     # positions and ids int64, log-probabilities float32, offsets int64
     expected = labelled * 8 + labelled * 3 * 8 + labelled * 3 * 4 + (len(kept) + 1) * 8
     assert report["replay"] == {"kept_rows": 3, "replayed_rows": 0, "stored_bytes": expected}
+
+
+def test_the_label_space_loss_equals_a_direct_computation():
+    """The task's own rows: −log softmax over its answers' tokens; a replayed row and a row with a
+    target outside the space (general text mixed in): the full cross-entropy; one mean over all."""
+    model = tiny_model("llama", layers=2, vocab=VOCAB)
+    task = rows_with_answers(["a", "c", "a"], seed=4)
+    method = replay(answer_loss="label_space", task_index=0)
+    method.kept = {0: [1]}
+    method.train_blocks([rows_with_answers(["b"] * 3), task], 1)
+    space = method.label_space
+    assert space.tolist() == [5, 6, 8, 9]
+    own, earlier = task.tensors(), rows_with_answers(["a"] * 3, seed=5).rows([1])  # replayed: in the space, yet full
+    batch = {k: torch.cat([own[k], earlier[k]]) for k in own}
+    batch["labels"][2, 3] = batch["input_ids"][2, 3] = 30  # a target outside the space: the full loss on that row
+    got = method.loss(model, {**batch, SLOT: torch.tensor([-1, -1, -1, 0])}, "hf")
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    total, count = 0.0, 0
+    for r in range(4):
+        for p in range(batch["labels"].shape[1] - 1):
+            target = int(batch["labels"][r, p + 1])
+            if target == -100:
+                continue
+            if r < 2:  # own rows whose every target is in the space
+                logp = logits[r, p, space].log_softmax(-1)[space.tolist().index(target)]
+            else:
+                logp = logits[r, p].log_softmax(-1)[target]
+            total, count = total - logp, count + 1
+    torch.testing.assert_close(got, total / count, rtol=1e-5, atol=1e-6)
+
+
+def test_the_label_space_is_refused_for_a_text_task_and_options_without_a_buffer():
+    ids = torch.arange(5000).reshape(1, 5000)
+    text = data.BlockSet(data.TensorBlocks({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+    with pytest.raises(InputError, match="task 1's labels use 5000 distinct tokens"):
+        replay(answer_loss="label_space", task_index=0).train_blocks([text], 0)
+    with pytest.raises(adept_ext.errors.MethodError, match="replay_ratio is taken only with a buffer"):
+        ReplayConfig(source="none", ratio=0.5)
+
+
+def test_no_buffer_trains_the_task_alone():
+    method = replay(source="none", task_index=0)
+    method.blocks, report = [rows_with_answers(["a"] * 4)], {}
+    method.end_task(tiny_model("llama", layers=2, vocab=VOCAB), None, report)
+    assert report["replay"] == {"kept_rows": 0, "replayed_rows": 0}
+    own = rows_with_answers(["b"] * 5)
+    assert method.train_blocks([method.blocks[0], own], 1).tensors()[SLOT].tolist() == [-1] * 5

@@ -320,6 +320,8 @@ OPTIONS = {
     "replay_select": Opt("balanced", "bogus", "replay_select must be one of"),
     "replay_distill": Opt(0.5, -1.0, "replay_distill must be a finite number >= 0"),
     "replay_distill_top_k": Opt(5, 0, "replay_distill_top_k must be >= 1"),
+    "replay_source": Opt("none", "bogus", "replay_source must be one of"),
+    "answer_loss": Opt("label_space", "bogus", "answer_loss must be one of"),
     "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0"),
     "o_lora_penalty": Opt("l1", "l2", "o_lora_penalty must be one of fro2, l1"),
     "osf_effective_rank": Opt(0.25, 1.5, "osf_effective_rank must be a fraction in (0, 1) or a whole number >= 1"),

@@ -39,6 +39,9 @@ from .lora import SeqLoraConfig
 
 BASES = ("full", "lora")
 SELECTIONS = ("random", "balanced", "surprise")
+SOURCES = ("examples", "none")
+ANSWER_LOSSES = ("token", "label_space")
+MAX_LABEL_SPACE = 4096  # answer tokens of one task beyond which label_space is refused (not label strings)
 SLOT = "replay_slot"  # the batch column naming a row's buffer slot (-1: the task's own row)
 SCORE_ROWS = 4  # rows per forward when the end of a task scores or distils its rows
 
@@ -60,6 +63,12 @@ class ReplayConfig(MethodConfig):
         "weight α of KL(stored top-k ‖ model) on replayed rows (DER++-style distillation; 0: off)"))
     distill_top_k: int = option(20, "replay_distill_top_k", help=(
         "log-probabilities stored per labelled position of a buffer row (with --replay-distill)"))
+    source: str = option("examples", "replay_source", help=(
+        "what the buffer holds: examples (earlier training rows) or none (no buffer: the base method, with "
+        "--answer-loss)"))
+    answer_loss: str = option("token", "answer_loss", help=(
+        "token (cross-entropy over the vocabulary) or label_space (a task's own rows: softmax over the tokens of "
+        "its answers only, so it does not push down earlier tasks' labels)"))
     base: str = option("full", "replay_base", help="on top of seq_full (full) or seq_lora (lora)")
     rank: int = option(8, "lora_rank", help="LoRA rank of the seq_lora base (replay_base lora)")
 
@@ -70,6 +79,12 @@ class ReplayConfig(MethodConfig):
         self.require_one_of("select", SELECTIONS)
         self.require("distill", np.isfinite(self.distill) and self.distill >= 0, "must be a finite number >= 0")
         self.require("distill_top_k", self.distill_top_k >= 1, "must be >= 1")
+        self.require_one_of("source", SOURCES)
+        self.require_one_of("answer_loss", ANSWER_LOSSES)
+        if self.source == "none":
+            for name, value, default in (("ratio", self.ratio, 0), ("select", self.select, "random"),
+                                         ("distill", self.distill, 0)):
+                self.require(name, value == default, "is taken only with a buffer (replay_source examples)")
         self.require_one_of("base", BASES)
         self.base_config()  # checks the base's own options
 
@@ -93,6 +108,7 @@ class Replay(Method):
         self.trains_every_weight = self.base.trains_every_weight
         self.own_loss_terms = config.distill > 0  # hf.MethodCallback cannot add them: it refuses the method
         self.seed, self.task_index, self.blocks = None, 0, None  # from prepare and train_blocks
+        self.label_space = None  # the current task's answer tokens (answer_loss label_space), from train_blocks
         self.kept: Dict[int, List[int]] = {}  # task index -> its buffer rows (indices into its training rows)
         self.stored: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its rows' stored top-k (distill)
         self.replayed = 0  # buffer rows the current task's losses saw (a device tensor once counted)
@@ -108,13 +124,15 @@ class Replay(Method):
     def train_blocks(self, blocks: List[data.BlockSet], task_index: int) -> data.BlockSet:
         """Task `task_index`'s rows with the earlier tasks' buffers (each kept when its task ended),
         mixed by `ratio`, every row tagged with its slot (`SLOT`). A view: nothing is copied."""
-        missing = [i + 1 for i in range(task_index) if i not in self.kept]
+        if self.config.answer_loss == "label_space":
+            self.label_space = label_space(blocks[task_index], task_index)
+        missing = [i + 1 for i in range(task_index) if i not in self.kept and self.config.source != "none"]
         if missing:
             raise InputError(f"replay: no buffer of task(s) {missing}: finish() every earlier task of the sequence "
                              f"(its end keeps the buffer) before training task {task_index + 1}")
         self.blocks = blocks
         own = data.TaggedBlocks(blocks[task_index], SLOT, np.full(len(blocks[task_index]), -1))
-        if task_index == 0:
+        if task_index == 0 or self.config.source == "none":
             return data.BlockSet(own)
         kept = [data.BlockSet(blocks[i], self.kept[i]) for i in range(task_index)]
         buffer = data.TaggedBlocks(data.ConcatBlocks(kept), SLOT, np.arange(sum(len(k) for k in kept)))
@@ -129,21 +147,32 @@ class Replay(Method):
         self.base.attach(optimizer)
 
     def loss(self, model, batch, loss_implementation: str = "auto", num_items=None, micro_batches: int = 1):
-        """The base method's loss of the batch (its `SLOT` column dropped), plus the distillation
-        term on its replayed rows (module docstring)."""
+        """The base method's loss of the batch (its `SLOT` column dropped), with the task's own rows
+        scored over its label space (answer_loss label_space) and the distillation term on its
+        replayed rows (module docstring); every term divided by the step's labelled tokens."""
         batch = dict(batch)
         slots = batch.pop(SLOT, None)
-        if slots is None:  # a caller's own batches: no replayed row is known
+        if slots is not None:
+            self.replayed = self.replayed + (slots >= 0).sum()  # on the device: read when the task ends
+        distill = bool(self.config.distill and self.stored and slots is not None)
+        space = self.label_space if self.config.answer_loss == "label_space" else None
+        if not distill and space is None:  # a caller's own batches (no slots): no replayed row is known
             return self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
-        self.replayed = self.replayed + (slots >= 0).sum()  # on the device: read when the task ends
-        if not self.config.distill or not self.stored:
-            return self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
+        labels = batch["labels"]
+        targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        total = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
+        if space is not None:  # those rows leave the token loss: their labels are scored over the space below
+            own = torch.ones_like(labels[:, 0], dtype=torch.bool) if slots is None else slots < 0
+            in_space = (torch.isin(targets, space.to(labels.device)) | (targets == IGNORE_INDEX)).all(1) & own
+            batch["labels"] = labels.masked_fill(in_space[:, None], IGNORE_INDEX)
         with final_hidden(model) as caught:
-            loss = self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
-        rows, width = batch["input_ids"].shape
-        kl = self.distill_sum(model, caught[-1].reshape(rows, width, -1), slots)
-        labelled = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() if num_items is None else num_items
-        return loss + self.config.distill * kl / labelled
+            loss = self.base.loss(model, batch, loss_implementation, total, micro_batches)
+        hidden = caught[-1].reshape(*labels.shape, -1)
+        if space is not None:
+            loss = loss + label_space_sum(model, hidden, targets, in_space, space.to(labels.device)) / total
+        if distill:
+            loss = loss + self.config.distill * self.distill_sum(model, hidden, slots) / total
+        return loss
 
     def distill_sum(self, model, hidden: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Σ over the replayed rows' stored positions of KL(q ‖ p) (module docstring); `hidden`
@@ -187,6 +216,10 @@ class Replay(Method):
             if torch.distributed.is_initialized():
                 torch.distributed.all_reduce(replayed)
             replayed = int(replayed)
+        if self.config.source == "none":
+            self.kept[self.task_index] = []
+            report["replay"] = {"kept_rows": 0, "replayed_rows": replayed}
+            return model
         losses = row_losses(model, rows) if self.config.select == "surprise" else None
         self.kept[self.task_index] = self.choose(rows, losses)
         entry = {"kept_rows": len(self.kept[self.task_index]), "replayed_rows": replayed}
@@ -283,3 +316,27 @@ def top_k_log_probs(model, rows, k: int) -> Dict[str, torch.Tensor]:
             "ids": torch.cat(ids) if ids else torch.zeros(0, width, dtype=torch.long),
             "logprobs": torch.cat(logprobs) if logprobs else torch.zeros(0, width),
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])}
+
+
+def label_space(rows, task_index: int) -> torch.Tensor:
+    """The sorted token ids labelled anywhere in a task's training `rows` (its answers and EOS):
+    the softmax of answer_loss label_space. InputError for more than MAX_LABEL_SPACE (a text task)."""
+    labels = torch.cat([rows.rows(np.arange(start, min(start + 1024, len(rows))))["labels"].flatten()
+                        for start in range(0, len(rows), 1024)])
+    space = torch.unique(labels[labels != IGNORE_INDEX])
+    if len(space) > MAX_LABEL_SPACE:
+        raise InputError(f"answer_loss label_space: task {task_index + 1}'s labels use {len(space)} distinct tokens "
+                         f"(more than {MAX_LABEL_SPACE}): it is for instruction tasks whose answers are a few label "
+                         "strings, not for text")
+    return space
+
+
+def label_space_sum(model, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                    space: torch.Tensor) -> torch.Tensor:
+    """Σ over the labelled positions of rows `rows` ([B] bool) of −log softmax_space(logits)[target]:
+    the logits of the tokens `space` only (sorted ids holding every target of those rows); `hidden`
+    [B, T, H], `targets` [B, T] (the next token, IGNORE_INDEX where unscored). No host read."""
+    logp = adapter(base_model(model)).head_logits_over(hidden, space).float().log_softmax(-1)
+    index = torch.searchsorted(space, targets.clamp(min=0)).clamp(max=len(space) - 1)
+    scored = rows[:, None] & (targets != IGNORE_INDEX)
+    return -(logp.gather(-1, index.unsqueeze(-1)).squeeze(-1) * scored).sum()
