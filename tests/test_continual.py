@@ -283,7 +283,7 @@ def kill_inside_the_second_task(monkeypatch, cfg):
 
 
 REPLAY_EVERY_OPTION = dict(replay_base="lora", replay_ratio=0.5, replay_select="surprise", replay_distill=1.0,
-                           replay_distill_top_k=5, answer_loss="label_space")
+                           replay_distill_top_k=5, answer_loss="label_space", ema_decay=0.5)
 
 
 @pytest.mark.parametrize("method,extra", [(m, {}) for m in ("seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal",

@@ -210,3 +210,29 @@ def test_no_buffer_trains_the_task_alone():
     assert report["replay"] == {"kept_rows": 0, "replayed_rows": 0}
     own = rows_with_answers(["b"] * 5)
     assert method.train_blocks([method.blocks[0], own], 1).tensors()[SLOT].tolist() == [-1] * 5
+
+
+def test_the_slow_copy_follows_the_ema_and_the_task_ends_with_it():
+    model = tiny_model("llama", layers=2, vocab=VOCAB)
+    beta = 0.6
+    method = get_method(ReplayConfig(ema_decay=beta))
+    task = adept_ext.prepare(model, method, general_probe=[], lr=1e-2, total_steps=3, progress=False)
+    optimizer = torch.optim.AdamW(task.param_groups, lr=1e-2)
+    task.attach(optimizer)
+    slow = [p.detach().clone() for p in task.trainable]
+    batch = rows_with_answers(["a", "b"]).tensors()
+    for _ in range(3):
+        optimizer.zero_grad()
+        task.loss(batch).backward()
+        optimizer.step()
+        slow = [beta * s + (1 - beta) * p.detach() for s, p in zip(slow, task.trainable)]
+    trained = [p.detach().clone() for p in task.trainable]
+    report = {}
+    finished = task.method.end_task(task.model, None, report)
+    named = dict(finished.named_parameters())
+    names = [n for n, p in task.model.named_parameters() if any(p is q for q in task.trainable)]
+    assert len(names) == len(slow) > 0
+    for name, expected, fast in zip(names, slow, trained):
+        torch.testing.assert_close(named[name].detach(), expected, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(expected, fast)  # the slow weights, not the last step's
+    assert report["ema"] == {"decay": beta, "bytes": sum(s.numel() * 4 for s in slow)}

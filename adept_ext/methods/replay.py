@@ -6,6 +6,10 @@ f = `fraction` (`replay_fraction`), chosen by `select` (`replay_select`, seeded 
 random (a draw), balanced (the same count per answer — a row's labelled tokens — round robin over
 the answers) or surprise (the m_i rows of highest loss under the model at the task's end; SuRe).
 
+A slow learner (`ema_decay` β > 0; I-LoRA, SuRe): after every optimizer step a slow copy of the
+trained tensors moves toward them, θ_slow ← β·θ_slow + (1 − β)·θ; the task ends with the slow
+weights (the base method then merges them), so scoring, the next task and the export see them.
+
 The rate: with `ratio` R = 0 (`replay_ratio`) a later task trains on its own rows and the buffer,
 each row once, in one seeded shuffle; with R > 0 a share R of every batch's rows comes from the
 buffer, which is cycled (repeated as often as needed; `data.mix_blocks`), so a small buffer is seen
@@ -63,6 +67,9 @@ class ReplayConfig(MethodConfig):
         "weight α of KL(stored top-k ‖ model) on replayed rows (DER++-style distillation; 0: off)"))
     distill_top_k: int = option(20, "replay_distill_top_k", help=(
         "log-probabilities stored per labelled position of a buffer row (with --replay-distill)"))
+    ema_decay: float = option(0.0, "ema_decay", help=(
+        "β of a slow copy of the trainable weights, θ_slow ← β·θ_slow + (1 − β)·θ after every optimizer step; the "
+        "task ends with the slow weights (I-LoRA, SuRe; 0: off)"))
     source: str = option("examples", "replay_source", help=(
         "what the buffer holds: examples (earlier training rows) or none (no buffer: the base method, with "
         "--answer-loss)"))
@@ -79,6 +86,7 @@ class ReplayConfig(MethodConfig):
         self.require_one_of("select", SELECTIONS)
         self.require("distill", np.isfinite(self.distill) and self.distill >= 0, "must be a finite number >= 0")
         self.require("distill_top_k", self.distill_top_k >= 1, "must be >= 1")
+        self.require("ema_decay", 0 <= self.ema_decay < 1, "must be in [0, 1)")
         self.require_one_of("source", SOURCES)
         self.require_one_of("answer_loss", ANSWER_LOSSES)
         if self.source == "none":
@@ -104,7 +112,7 @@ class Replay(Method):
     def __init__(self, config):
         super().__init__(config)
         self.base = get_method(config.base_config())
-        self.shardable = self.base.shardable
+        self.shardable = self.base.shardable and not config.ema_decay  # the slow copy follows unsharded weights
         self.trains_every_weight = self.base.trains_every_weight
         self.own_loss_terms = config.distill > 0  # hf.MethodCallback cannot add them: it refuses the method
         self.seed, self.task_index, self.blocks = None, 0, None  # from prepare and train_blocks
@@ -112,6 +120,7 @@ class Replay(Method):
         self.kept: Dict[int, List[int]] = {}  # task index -> its buffer rows (indices into its training rows)
         self.stored: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its rows' stored top-k (distill)
         self.replayed = 0  # buffer rows the current task's losses saw (a device tensor once counted)
+        self.fast, self.slow, self.handles = [], [], []  # ema_decay: the trained weights, their slow copy, hook
 
     def prepare(self, model, ctx, layers=None):
         self.seed, self.task_index, self.replayed = ctx.seed, ctx.task_index, 0
@@ -144,7 +153,18 @@ class Replay(Method):
         return data.BlockSet(data.ConcatBlocks([own, buffer]), order)
 
     def attach(self, optimizer):
+        """The base method's hooks; with ema_decay, the slow copy of the optimizer's parameters as
+        they are now, moved toward them after every step."""
         self.base.attach(optimizer)
+        if self.config.ema_decay:
+            self.fast = [p for group in optimizer.param_groups for p in group["params"]]
+            self.slow = [p.detach().clone() for p in self.fast]
+            self.handles = [optimizer.register_step_post_hook(lambda *_: self.update_slow())]
+
+    @torch.no_grad()
+    def update_slow(self):
+        """θ_slow ← θ_slow + (1 − β)(θ − θ_slow) for every trained tensor (one multi-tensor call)."""
+        torch._foreach_lerp_(self.slow, [p.detach() for p in self.fast], 1 - self.config.ema_decay)
 
     def loss(self, model, batch, loss_implementation: str = "auto", num_items=None, micro_batches: int = 1):
         """The base method's loss of the batch (its `SLOT` column dropped), with the task's own rows
@@ -207,6 +227,14 @@ class Replay(Method):
     def end_task(self, model, out, report):
         """The base method's end, then the task's buffer (and its stored top-k) from its training rows:
         those `train_blocks` was given; none when it was not called (a later `train_blocks` refuses)."""
+        if self.config.ema_decay and self.slow:  # the task ends with the slow weights: merged, scored, saved
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.fast], self.slow)
+            for handle in self.handles:
+                handle.remove()
+            report["ema"] = {"decay": self.config.ema_decay,
+                             "bytes": sum(t.numel() * t.element_size() for t in self.slow)}
+            self.fast, self.slow, self.handles = [], [], []
         model = self.base.end_task(model, out, report)
         if self.blocks is None:
             return model
@@ -257,13 +285,19 @@ class Replay(Method):
     def state_dict(self) -> Dict:
         replayed = int(self.replayed) if torch.is_tensor(self.replayed) else self.replayed
         return {"base": self.base.state_dict(), "kept": {i: list(k) for i, k in self.kept.items()},
-                "stored": self.stored, "replayed": replayed}
+                "stored": self.stored, "replayed": replayed, "slow": [t.detach().cpu() for t in self.slow]}
 
     def load_state_dict(self, state: Dict):
         self.base.load_state_dict(state["base"])
         self.kept = {int(i): list(k) for i, k in state["kept"].items()}
         self.stored = {int(i): dict(s) for i, s in state["stored"].items()}
         self.replayed = state["replayed"]
+        if state["slow"]:  # inside a task (after attach): its slow copy as the checkpoint held it
+            if len(state["slow"]) != len(self.slow):
+                raise InputError(f"the checkpoint's slow copy (ema_decay) holds {len(state['slow'])} tensors; this "
+                                 f"task trains {len(self.slow)}: it was written by another configuration")
+            with torch.no_grad():
+                torch._foreach_copy_(self.slow, [t.to(s.device) for t, s in zip(state["slow"], self.slow)])
 
 
 def labelled_hidden(model, rows):
