@@ -10,6 +10,7 @@ from adept_ext import data
 from adept_ext.errors import InputError
 from adept_ext.hf import MethodCallback
 from adept_ext.methods import ReplayConfig, get_method
+from adept_ext.methods.pseudo_examples import pseudo_examples
 from adept_ext.methods.replay import SLOT, row_losses, top_k_log_probs
 from tiny_models import tiny_model
 
@@ -236,3 +237,79 @@ def test_the_slow_copy_follows_the_ema_and_the_task_ends_with_it():
         torch.testing.assert_close(named[name].detach(), expected, rtol=1e-6, atol=1e-7)
         assert not torch.equal(expected, fast)  # the slow weights, not the last step's
     assert report["ema"] == {"decay": beta, "bytes": sum(s.numel() * 4 for s in slow)}
+
+
+def formatted_rows(n, seed=0, width=16):
+    """Rows "11 12 <body> 13 14 <answer>": a field name, a question of random tokens, an instruction,
+    then answer a (5 6) or c (8 9), labelled."""
+    g = torch.Generator().manual_seed(seed)
+    ids, labels = torch.zeros(n, width, dtype=torch.long), torch.full((n, width), -100)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for r in range(n):
+        body = torch.randint(15, VOCAB, (3 + r % 3,), generator=g).tolist()
+        answer = ANSWERS["a" if r % 2 else "c"]
+        row = [11, 12] + body + [13, 14] + answer
+        ids[r, :len(row)] = torch.tensor(row)
+        labels[r, len(row) - len(answer):len(row)] = torch.tensor(answer)
+        mask[r, :len(row)] = 1
+    return data.BlockSet(data.TensorBlocks({"input_ids": ids, "attention_mask": mask, "labels": labels}))
+
+
+def test_generated_pseudo_examples_hold_no_training_row_and_are_answered_by_the_model():
+    model = tiny_model("llama", layers=2, vocab=VOCAB).train()
+    rows = formatted_rows(8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(40):  # the task learned: the model answers after the instruction
+        optimizer.zero_grad()
+        model(**rows.tensors()).loss.backward()
+        optimizer.step()
+    rng_before = torch.random.get_rng_state()
+    made = pseudo_examples(model, rows, 6, temperature=1.0, seed=3, progress=False)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # the training's RNG untouched
+    assert 0 < len(made["input_ids"]) <= 6
+    training = {tuple(r) for r in rows.tensors()["input_ids"].tolist()}
+    bodies = set()
+    for ids, labels, mask in zip(made["input_ids"], made["labels"], made["attention_mask"]):
+        row = ids[mask.bool()].tolist()
+        assert tuple(ids.tolist()) not in training
+        first = int((labels != -100).nonzero()[0])
+        prompt, answer = row[:first], row[first:]
+        assert prompt[:2] == [11, 12] and prompt[-2:] == [13, 14] and len(prompt) > 4  # the task's format
+        assert answer[-1] in (6, 9) and labels[first:len(row)].tolist() == answer
+        greedy = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=2, pad_token_id=0,
+                                eos_token_id=[6, 9])[0, len(prompt):].tolist()
+        assert greedy[:len(answer)] == answer  # labelled by the model as it is
+        bodies.add(tuple(prompt))
+    assert len(bodies) == len(made["input_ids"])  # no duplicate
+    again = pseudo_examples(model, rows, 6, temperature=1.0, seed=3, progress=False)
+    assert all(torch.equal(again[k], made[k]) for k in made)  # seeded
+
+
+def test_a_generated_buffer_replays_pseudo_examples_and_survives_a_checkpoint(tmp_path):
+    model = tiny_model("llama", layers=2, vocab=VOCAB)
+    rows = formatted_rows(8)
+    method = replay(source="generated", fraction=0.5, task_index=0)
+    method.blocks = [rows]
+    made = {"input_ids": torch.full((3, 16), 20), "attention_mask": torch.ones(3, 16, dtype=torch.long),
+            "labels": torch.full((3, 16), 5)}
+    import adept_ext.methods.replay as replay_module
+    replay_module_pseudo = replay_module.pseudo_examples
+    try:
+        replay_module.pseudo_examples = lambda *args: made
+        report = {}
+        method.end_task(model, None, report)
+    finally:
+        replay_module.pseudo_examples = replay_module_pseudo
+    assert report["replay"]["generated_rows"] == 3 and report["replay"]["kept_rows"] == 3
+    torch.save(method.state_dict(), tmp_path / "state.pt")
+    restored = replay(source="generated", fraction=0.5)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    mixed = restored.train_blocks([rows, formatted_rows(4, seed=1)], 1).tensors()
+    assert torch.equal(mixed["input_ids"][mixed[SLOT] >= 0], made["input_ids"])  # the pseudo rows, not the task's
+
+
+def test_generated_replay_is_refused_for_a_text_task():
+    ids = torch.arange(24).reshape(2, 12) + 10
+    text = data.BlockSet(data.TensorBlocks({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+    with pytest.raises(InputError, match="a text task"):
+        pseudo_examples(tiny_model("llama", layers=2, vocab=VOCAB), text, 2, 1.0, 0, progress=False)

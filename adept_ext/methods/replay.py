@@ -40,10 +40,11 @@ from ..models import adapter
 from .base import Method, MethodConfig, get_method, option, register
 from .full import SeqFullConfig
 from .lora import SeqLoraConfig
+from .pseudo_examples import pseudo_examples
 
 BASES = ("full", "lora")
 SELECTIONS = ("random", "balanced", "surprise")
-SOURCES = ("examples", "none")
+SOURCES = ("examples", "generated", "none")
 ANSWER_LOSSES = ("token", "label_space")
 MAX_LABEL_SPACE = 4096  # answer tokens of one task beyond which label_space is refused (not label strings)
 SLOT = "replay_slot"  # the batch column naming a row's buffer slot (-1: the task's own row)
@@ -71,8 +72,10 @@ class ReplayConfig(MethodConfig):
         "β of a slow copy of the trainable weights, θ_slow ← β·θ_slow + (1 − β)·θ after every optimizer step; the "
         "task ends with the slow weights (I-LoRA, SuRe; 0: off)"))
     source: str = option("examples", "replay_source", help=(
-        "what the buffer holds: examples (earlier training rows) or none (no buffer: the base method, with "
-        "--answer-loss)"))
+        "what the buffer holds: examples (earlier training rows), generated (pseudo examples the model writes and "
+        "answers at each task's end: nothing stored) or none (no buffer: the base method, with --answer-loss)"))
+    temperature: float = option(1.0, "replay_temperature", help=(
+        "sampling temperature of the pseudo examples' inputs (replay_source generated)"))
     answer_loss: str = option("token", "answer_loss", help=(
         "token (cross-entropy over the vocabulary) or label_space (a task's own rows: softmax over the tokens of "
         "its answers only, so it does not push down earlier tasks' labels)"))
@@ -87,6 +90,7 @@ class ReplayConfig(MethodConfig):
         self.require("distill", np.isfinite(self.distill) and self.distill >= 0, "must be a finite number >= 0")
         self.require("distill_top_k", self.distill_top_k >= 1, "must be >= 1")
         self.require("ema_decay", 0 <= self.ema_decay < 1, "must be in [0, 1)")
+        self.require("temperature", np.isfinite(self.temperature) and self.temperature > 0, "must be > 0")
         self.require_one_of("source", SOURCES)
         self.require_one_of("answer_loss", ANSWER_LOSSES)
         if self.source == "none":
@@ -115,15 +119,16 @@ class Replay(Method):
         self.shardable = self.base.shardable and not config.ema_decay  # the slow copy follows unsharded weights
         self.trains_every_weight = self.base.trains_every_weight
         self.own_loss_terms = config.distill > 0  # hf.MethodCallback cannot add them: it refuses the method
-        self.seed, self.task_index, self.blocks = None, 0, None  # from prepare and train_blocks
+        self.seed, self.task_index, self.blocks, self.progress = None, 0, None, False  # prepare, train_blocks
         self.label_space = None  # the current task's answer tokens (answer_loss label_space), from train_blocks
         self.kept: Dict[int, List[int]] = {}  # task index -> its buffer rows (indices into its training rows)
         self.stored: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its rows' stored top-k (distill)
+        self.generated: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its pseudo examples (generated)
         self.replayed = 0  # buffer rows the current task's losses saw (a device tensor once counted)
         self.fast, self.slow, self.handles = [], [], []  # ema_decay: the trained weights, their slow copy, hook
 
     def prepare(self, model, ctx, layers=None):
-        self.seed, self.task_index, self.replayed = ctx.seed, ctx.task_index, 0
+        self.seed, self.task_index, self.replayed, self.progress = ctx.seed, ctx.task_index, 0, ctx.progress
         setup = self.base.prepare(model, ctx, layers)
         rate = f", {self.config.ratio:.0%} of each batch" if self.config.ratio else ""
         setup.summary += (f" on its data plus a {self.config.fraction:.0%} replay buffer of earlier tasks "
@@ -143,7 +148,7 @@ class Replay(Method):
         own = data.TaggedBlocks(blocks[task_index], SLOT, np.full(len(blocks[task_index]), -1))
         if task_index == 0 or self.config.source == "none":
             return data.BlockSet(own)
-        kept = [data.BlockSet(blocks[i], self.kept[i]) for i in range(task_index)]
+        kept = [self.buffer(blocks, i) for i in range(task_index)]
         buffer = data.TaggedBlocks(data.ConcatBlocks(kept), SLOT, np.arange(sum(len(k) for k in kept)))
         seed = self.seed * 1000 + task_index
         if self.config.ratio:
@@ -151,6 +156,11 @@ class Replay(Method):
         order = list(range(len(own) + len(buffer)))
         random.Random(seed).shuffle(order)
         return data.BlockSet(data.ConcatBlocks([own, buffer]), order)
+
+    def buffer(self, blocks, i: int) -> data.BlockSet:
+        """Task i's buffer rows: kept rows of its training data, or of its pseudo examples (generated)."""
+        source = data.TensorBlocks(self.generated[i]) if self.config.source == "generated" else blocks[i]
+        return data.BlockSet(source, self.kept[i])
 
     def attach(self, optimizer):
         """The base method's hooks; with ema_decay, the slow copy of the optimizer's parameters as
@@ -248,9 +258,20 @@ class Replay(Method):
             self.kept[self.task_index] = []
             report["replay"] = {"kept_rows": 0, "replayed_rows": replayed}
             return model
+        m = max(1, round(self.config.fraction * len(rows)))
+        entry = {}
+        if self.config.source == "generated":  # the candidates the selection chooses from: the model's own
+            candidates = 1 if self.config.select == "random" else 2
+            self.generated[self.task_index] = pseudo_examples(model, rows, candidates * m, self.config.temperature,
+                                                              self.seed * 1000 + 700 + self.task_index, self.progress)
+            rows = data.BlockSet(data.TensorBlocks(self.generated[self.task_index]))
+            entry["generated_rows"] = len(rows)
+            if not len(rows):
+                raise InputError(f"replay_source generated: the model wrote no usable pseudo example of task "
+                                 f"{self.task_index + 1} (every sample was empty, a duplicate or unanswered)")
         losses = row_losses(model, rows) if self.config.select == "surprise" else None
-        self.kept[self.task_index] = self.choose(rows, losses)
-        entry = {"kept_rows": len(self.kept[self.task_index]), "replayed_rows": replayed}
+        self.kept[self.task_index] = self.choose(rows, losses, min(m, len(rows)))
+        entry.update(kept_rows=len(self.kept[self.task_index]), replayed_rows=replayed)
         if self.config.distill:
             self.stored[self.task_index] = top_k_log_probs(model, data.BlockSet(rows, self.kept[self.task_index]),
                                                            self.config.distill_top_k)
@@ -258,10 +279,10 @@ class Replay(Method):
         report["replay"] = entry
         return model
 
-    def choose(self, rows, losses=None) -> List[int]:
-        """The rows of a finished task its buffer keeps (module docstring), sorted."""
+    def choose(self, rows, losses=None, m: int = None) -> List[int]:
+        """The m rows (default max(1, round(f·n))) of a finished task its buffer keeps (module docstring), sorted."""
         n = len(rows)
-        m = max(1, round(self.config.fraction * n))
+        m = max(1, round(self.config.fraction * n)) if m is None else m
         rng = random.Random(self.seed * 1000 + 500 + self.task_index)
         if self.config.select == "random":
             return sorted(rng.sample(range(n), m))
@@ -285,12 +306,14 @@ class Replay(Method):
     def state_dict(self) -> Dict:
         replayed = int(self.replayed) if torch.is_tensor(self.replayed) else self.replayed
         return {"base": self.base.state_dict(), "kept": {i: list(k) for i, k in self.kept.items()},
-                "stored": self.stored, "replayed": replayed, "slow": [t.detach().cpu() for t in self.slow]}
+                "stored": self.stored, "generated": self.generated, "replayed": replayed,
+                "slow": [t.detach().cpu() for t in self.slow]}
 
     def load_state_dict(self, state: Dict):
         self.base.load_state_dict(state["base"])
         self.kept = {int(i): list(k) for i, k in state["kept"].items()}
         self.stored = {int(i): dict(s) for i, s in state["stored"].items()}
+        self.generated = {int(i): dict(g) for i, g in state["generated"].items()}
         self.replayed = state["replayed"]
         if state["slow"]:  # inside a task (after attach): its slow copy as the checkpoint held it
             if len(state["slow"]) != len(self.slow):
