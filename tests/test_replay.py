@@ -313,3 +313,14 @@ def test_generated_replay_is_refused_for_a_text_task():
     text = data.BlockSet(data.TensorBlocks({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
     with pytest.raises(InputError, match="a text task"):
         pseudo_examples(tiny_model("llama", layers=2, vocab=VOCAB), text, 2, 1.0, 0, progress=False)
+
+
+def test_the_memory_check_counts_the_slow_copy():
+    params = [torch.nn.Parameter(torch.zeros(3, 5)), torch.nn.Parameter(torch.zeros(7))]
+    assert replay(ema_decay=0.9).extra_bytes(params) == 22 * 4 and replay().extra_bytes(params) == 0
+    from adept_ext.continual import config_from
+    from adept_ext.training import device as device_module
+    model, cfg = tiny_model("llama", layers=2, vocab=VOCAB), config_from({"method": "replay"})
+    plain = device_module.memory_estimate(cfg, model, trainable=22, device=torch.device("cpu"))
+    counted = device_module.memory_estimate(cfg, model, trainable=22, device=torch.device("cpu"), method_bytes=88)
+    assert counted["optimizer"] == plain["optimizer"] + 88

@@ -252,6 +252,10 @@ class Method:
         """One param group with the task's lr and weight decay (`ctx`)."""
         return [{"params": trainable, "lr": ctx.lr, "weight_decay": ctx.weight_decay}]
 
+    def extra_bytes(self, trainable: List[torch.nn.Parameter]) -> int:
+        """Memory the method keeps through a task's steps besides the optimizer's (for the memory check; default 0)."""
+        return 0
+
     def write_artifacts(self, out):
         """Write what `prepare` computed (JSON/PNG) into the run directory."""
 

@@ -157,6 +157,10 @@ class Replay(Method):
         random.Random(seed).shuffle(order)
         return data.BlockSet(data.ConcatBlocks([own, buffer]), order)
 
+    def extra_bytes(self, trainable) -> int:
+        """The slow copy of the trained tensors (ema_decay), in their dtype."""
+        return sum(p.numel() * p.element_size() for p in trainable) if self.config.ema_decay else 0
+
     def buffer(self, blocks, i: int) -> data.BlockSet:
         """Task i's buffer rows: kept rows of its training data, or of its pseudo examples (generated)."""
         source = data.TensorBlocks(self.generated[i]) if self.config.source == "generated" else blocks[i]

@@ -97,7 +97,7 @@ def exact_host_bytes(model) -> int:
 
 
 def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1,
-                    device=None) -> Dict[str, int]:
+                    device=None, method_bytes: int = 0) -> Dict[str, int]:
     """Bytes a training step needs: the weights as held (frozen ones may be bfloat16, `hold_frozen`,
     or 4-bit with their quantisation constants, `quantize.hold_nf4`; on the CPU also the exact
     copies these keep on the host, `exact_host_bytes`), the float32 gradient and the
@@ -108,7 +108,7 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     layer's input and one layer's activations). The fused
     loss holds one chunk of logits instead of the micro-batch's B×T×V (its size on `device`,
     default the run's), and, when the LM head trains, its float32 gradient [V, H] from the forward to
-    the backward."""
+    the backward. `method_bytes` (`Method.extra_bytes`: replay's slow copy) counts with the optimizer."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + quantize.held_bytes(model)
     if (device or device_for(cfg)).type == "cpu":  # the exact copies of held weights share the CPU's memory
@@ -119,7 +119,7 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     moments = int((trainable - embeddings) * moment_bytes(cfg.optim) + embeddings * moment_bytes("adamw_torch"))
     # the float32 gradient: sharded, but whole on each rank under FSDP2 while micro-batches accumulate unsynced
     gradient = trainable * 4 // (1 if shards > 1 and cfg.grad_accum > 1 else shards)
-    optimizer = gradient + moments // shards + step_bytes(cfg.optim, trainable // shards)
+    optimizer = gradient + moments // shards + step_bytes(cfg.optim, trainable // shards) + method_bytes
     fused = uses_fused_loss(model, cfg.loss_implementation)  # logits: one chunk (fp32 and its softmax), or all
     logits = 0 if fused else 8 * c.vocab_size
     layer = 4 * (16 * c.hidden_size + 4 * c.intermediate_size)  # one decoder layer's saved activations
@@ -137,12 +137,12 @@ def memory_estimate(cfg, model, bf16: bool = False, trainable: int = 0, shards: 
     return {"weights": weights, "optimizer": optimizer, "activations": activations}
 
 
-def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1):
+def check_memory(cfg, model, bf16: bool = False, trainable: int = 0, shards: int = 1, method_bytes: int = 0):
     """Refuse a run that will not fit in the available memory (`memory_estimate`). Called before
     anything is written (trainable = 0: can the model run at all?) and again once the method has
     chosen what trains and the frozen weights are held in their dtype. The estimate is in the message;
     returned (bytes per part and "total") where it fits."""
-    estimate = memory_estimate(cfg, model, bf16, trainable, shards)
+    estimate = memory_estimate(cfg, model, bf16, trainable, shards, method_bytes=method_bytes)
     weights, optimizer, activations = estimate["weights"], estimate["optimizer"], estimate["activations"]
     need = weights + optimizer + activations
     free = free_memory(device_for(cfg))  # on a GPU after what holding the frozen weights freed went back to the driver

@@ -272,7 +272,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
             log(f"{desc}: the weights that do not train are held in {str(frozen).removeprefix('torch.')}")
         shards = parallel.world_size() if cfg.parallel == "fsdp2" else 1
         if not nf4:  # nf4: once the layers are held, below
-            estimate = check_memory(cfg, model, bf16, n_trainable, shards)
+            estimate = check_memory(cfg, model, bf16, n_trainable, shards, method.extra_bytes(task.trainable))
         hooks.prepared(task, n_trainable)
         if cfg.gradient_checkpointing:  # after prepare: the copies an expansion added are checkpointed too
             activation_checkpointing(model, True)
@@ -288,7 +288,7 @@ def fit_task(model, method, cfg, device, bf16: bool, batches, history: Dict, *, 
             n_4bit = quantize.hold_nf4(model, torch.bfloat16 if bf16 else torch.float32)
             log(f"{desc}: {n_4bit} frozen linear layers held in 4 bits (NF4), their exact weights on the host")
             # and before a checkpoint's optimizer state loads: the check counts that state, not yet allocated
-            estimate = check_memory(cfg, model, bf16, n_trainable, shards)
+            estimate = check_memory(cfg, model, bf16, n_trainable, shards, method.extra_bytes(task.trainable))
         step = 0
         if checkpoint:
             load_training_state(checkpoint, model, method, optimizer, scheduler, out)
