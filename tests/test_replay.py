@@ -11,6 +11,7 @@ from adept_ext.errors import InputError
 from adept_ext.hf import MethodCallback
 from adept_ext.methods import ReplayConfig, get_method
 from adept_ext.methods.pseudo_examples import pseudo_examples
+from adept_ext.lm_loss import final_hidden
 from adept_ext.methods.replay import SLOT, row_losses, top_k_log_probs
 from tiny_models import tiny_model
 
@@ -187,8 +188,11 @@ def test_the_label_space_loss_equals_a_direct_computation():
             target = int(batch["labels"][r, p + 1])
             if target == -100:
                 continue
-            if r < 2:  # own rows whose every target is in the space
-                logp = logits[r, p, space].log_softmax(-1)[space.tolist().index(target)]
+            if r < 2:  # own rows whose every target is in the space: VAG's masking (shaoyijia/VAG,
+                # networks/my_bart_model.py: logits outside the label vocabulary set to −inf, then the full CE)
+                outside = torch.ones(VOCAB, dtype=torch.bool)
+                outside[space] = False
+                logp = logits[r, p].masked_fill(outside, -torch.inf).log_softmax(-1)[target]
             else:
                 logp = logits[r, p].log_softmax(-1)[target]
             total, count = total - logp, count + 1
@@ -222,11 +226,12 @@ def test_the_slow_copy_follows_the_ema_and_the_task_ends_with_it():
     task.attach(optimizer)
     slow = [p.detach().clone() for p in task.trainable]
     batch = rows_with_answers(["a", "b"]).tensors()
-    for _ in range(3):
+    for t in range(3):  # I-LoRA's update (which47/LLMCL, method/ILORA.py): β_t = min(1 − 1/(t+1), β)
         optimizer.zero_grad()
         task.loss(batch).backward()
         optimizer.step()
-        slow = [beta * s + (1 - beta) * p.detach() for s, p in zip(slow, task.trainable)]
+        beta_t = min(1 - 1 / (t + 1), beta)
+        slow = [beta_t * s + (1 - beta_t) * p.detach() for s, p in zip(slow, task.trainable)]
     trained = [p.detach().clone() for p in task.trainable]
     report = {}
     finished = task.method.end_task(task.model, None, report)
@@ -324,3 +329,22 @@ def test_the_memory_check_counts_the_slow_copy():
     plain = device_module.memory_estimate(cfg, model, trainable=22, device=torch.device("cpu"))
     counted = device_module.memory_estimate(cfg, model, trainable=22, device=torch.device("cpu"), method_bytes=88)
     assert counted["optimizer"] == plain["optimizer"] + 88
+
+
+def test_with_every_token_stored_the_distillation_is_seekrs_soft_target_loss_less_a_constant():
+    """SEEKR (jinghan1he/SEEKR, training/seekr.py) stores the teacher's full logits and takes
+    CrossEntropyLoss(student logits, softmax(teacher logits)) averaged over the answer tokens: with
+    k = V our KL(q ‖ p) summed is that loss times the tokens, less the teacher's entropy (a constant)."""
+    teacher, student = tiny_model("llama", layers=2, vocab=VOCAB), tiny_model("llama", layers=2, vocab=VOCAB, seed=1)
+    rows = rows_with_answers(["a", "c", "b"], seed=6)
+    method = replay(distill=1.0)
+    method.kept, method.stored = {0: [0, 1, 2]}, {0: top_k_log_probs(teacher, rows, VOCAB)}
+    batch = rows.tensors()
+    with final_hidden(student) as caught:
+        student_logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ours = method.distill_sum(student, caught[-1], torch.tensor([0, 1, 2]))
+    with torch.no_grad():
+        row, position, teacher_logp = labelled_log_probs(teacher, batch)
+    seekr = torch.nn.CrossEntropyLoss()(student_logits[row, position], teacher_logp.exp())
+    entropy = -(teacher_logp.exp() * teacher_logp).sum(-1).mean()
+    torch.testing.assert_close(ours / len(row), seekr - entropy, rtol=1e-5, atol=1e-6)

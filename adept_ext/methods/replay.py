@@ -7,7 +7,7 @@ random (a draw), balanced (the same count per answer — a row's labelled tokens
 the answers) or surprise (the m_i rows of highest loss under the model at the task's end; SuRe).
 
 A slow learner (`ema_decay` β > 0; I-LoRA, SuRe): after every optimizer step a slow copy of the
-trained tensors moves toward them, θ_slow ← β·θ_slow + (1 − β)·θ; the task ends with the slow
+trained tensors moves toward them, θ_slow ← β_t·θ_slow + (1 − β_t)·θ, β_t = min(1 − 1/(t+1), β); the task ends with the slow
 weights (the base method then merges them), so scoring, the next task and the export see them.
 
 The rate: with `ratio` R = 0 (`replay_ratio`) a later task trains on its own rows and the buffer,
@@ -126,6 +126,7 @@ class Replay(Method):
         self.generated: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its pseudo examples (generated)
         self.replayed = 0  # buffer rows the current task's losses saw (a device tensor once counted)
         self.fast, self.slow, self.handles = [], [], []  # ema_decay: the trained weights, their slow copy, hook
+        self.ema_steps = 0  # the slow copy's updates in this task
 
     def prepare(self, model, ctx, layers=None):
         self.seed, self.task_index, self.replayed, self.progress = ctx.seed, ctx.task_index, 0, ctx.progress
@@ -172,13 +173,16 @@ class Replay(Method):
         self.base.attach(optimizer)
         if self.config.ema_decay:
             self.fast = [p for group in optimizer.param_groups for p in group["params"]]
-            self.slow = [p.detach().clone() for p in self.fast]
+            self.slow, self.ema_steps = [p.detach().clone() for p in self.fast], 0
             self.handles = [optimizer.register_step_post_hook(lambda *_: self.update_slow())]
 
     @torch.no_grad()
     def update_slow(self):
-        """θ_slow ← θ_slow + (1 − β)(θ − θ_slow) for every trained tensor (one multi-tensor call)."""
-        torch._foreach_lerp_(self.slow, [p.detach() for p in self.fast], 1 - self.config.ema_decay)
+        """θ_slow ← β_t·θ_slow + (1 − β_t)·θ for every trained tensor (one multi-tensor lerp), β_t =
+        min(1 − 1/(t+1), β) at the task's t-th step from 0 (I-LoRA's warm-up: the first steps follow θ)."""
+        beta = min(1 - 1 / (self.ema_steps + 1), self.config.ema_decay)
+        torch._foreach_lerp_(self.slow, [p.detach() for p in self.fast], 1 - beta)
+        self.ema_steps += 1
 
     def loss(self, model, batch, loss_implementation: str = "auto", num_items=None, micro_batches: int = 1):
         """The base method's loss of the batch (its `SLOT` column dropped), with the task's own rows
@@ -311,7 +315,7 @@ class Replay(Method):
         replayed = int(self.replayed) if torch.is_tensor(self.replayed) else self.replayed
         return {"base": self.base.state_dict(), "kept": {i: list(k) for i, k in self.kept.items()},
                 "stored": self.stored, "generated": self.generated, "replayed": replayed,
-                "slow": [t.detach().cpu() for t in self.slow]}
+                "slow": [t.detach().cpu() for t in self.slow], "ema_steps": self.ema_steps}
 
     def load_state_dict(self, state: Dict):
         self.base.load_state_dict(state["base"])
@@ -319,6 +323,7 @@ class Replay(Method):
         self.stored = {int(i): dict(s) for i, s in state["stored"].items()}
         self.generated = {int(i): dict(g) for i, g in state["generated"].items()}
         self.replayed = state["replayed"]
+        self.ema_steps = state["ema_steps"]
         if state["slow"]:  # inside a task (after attach): its slow copy as the checkpoint held it
             if len(state["slow"]) != len(self.slow):
                 raise InputError(f"the checkpoint's slow copy (ema_decay) holds {len(state['slow'])} tensors; this "
