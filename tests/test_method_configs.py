@@ -160,7 +160,7 @@ INVALID = [
      dict(replay_source="stored")),
     (ReplayConfig, dict(temperature=0.0), "replay_temperature must be > 0", dict(replay_temperature=0.0)),
     (ReplayConfig, dict(ema_decay=1.0), "ema_decay must be in [0, 1)", dict(ema_decay=1.0)),
-    (ReplayConfig, dict(answer_loss="focal"), "answer_loss must be one of token, label_space",
+    (ReplayConfig, dict(answer_loss="focal"), "answer_loss must be one of token, label_space, keep_old_labels",
      dict(answer_loss="focal")),
     (ReplayConfig, dict(source="none", distill=1.0), "replay_distill is taken only with a buffer",
      dict(replay_source="none", replay_distill=1.0)),

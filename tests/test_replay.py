@@ -348,3 +348,34 @@ def test_with_every_token_stored_the_distillation_is_seekrs_soft_target_loss_les
     seekr = torch.nn.CrossEntropyLoss()(student_logits[row, position], teacher_logp.exp())
     entropy = -(teacher_logp.exp() * teacher_logp).sum(-1).mean()
     torch.testing.assert_close(ours / len(row), seekr - entropy, rtol=1e-5, atol=1e-6)
+
+
+def test_keeping_old_labels_out_of_the_softmax_equals_a_direct_computation():
+    """A task's own positions: −log softmax over the vocabulary less the earlier tasks' answer tokens
+    that are not its own; positions whose target is such a token, and replayed rows: the full loss."""
+    model = tiny_model("llama", layers=2, vocab=VOCAB)
+    earlier, task = rows_with_answers(["a", "b"], seed=7), rows_with_answers(["c", "a", "c"], seed=4)
+    method = replay(answer_loss="keep_old_labels")
+    method.kept = {0: [0]}
+    method.train_blocks([earlier, task], 1)
+    assert method.old_labels.tolist() == [7]  # b's token; a's are this task's too
+    own = task.tensors()
+    batch = {k: torch.cat([own[k], earlier.rows([0])[k]]) for k in own}
+    batch["labels"][1, 3] = batch["input_ids"][1, 3] = 7  # an old label as a target of an own row: the full loss
+    got = method.loss(model, {**batch, SLOT: torch.tensor([-1, -1, -1, 0])}, "hf")
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    total, count = 0.0, 0
+    for r in range(4):
+        for p in range(batch["labels"].shape[1] - 1):
+            target = int(batch["labels"][r, p + 1])
+            if target == -100:
+                continue
+            row = logits[r, p].clone()
+            if r < 3 and target != 7:
+                row[7] = -torch.inf
+            total, count = total - row.log_softmax(-1)[target], count + 1
+    torch.testing.assert_close(got, total / count, rtol=1e-5, atol=1e-6)
+    first = replay(answer_loss="keep_old_labels", task_index=0)
+    first.train_blocks([task], 0)
+    torch.testing.assert_close(first.loss(model, batch, "hf"), model(**batch).loss)  # no earlier task: the token loss

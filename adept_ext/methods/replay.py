@@ -7,8 +7,17 @@ random (a draw), balanced (the same count per answer — a row's labelled tokens
 the answers) or surprise (the m_i rows of highest loss under the model at the task's end; SuRe).
 
 A slow learner (`ema_decay` β > 0; I-LoRA, SuRe): after every optimizer step a slow copy of the
-trained tensors moves toward them, θ_slow ← β_t·θ_slow + (1 − β_t)·θ, β_t = min(1 − 1/(t+1), β); the task ends with the slow
-weights (the base method then merges them), so scoring, the next task and the export see them.
+trained tensors moves toward them, θ_slow ← β_t·θ_slow + (1 − β_t)·θ, β_t = min(1 − 1/(t+1), β); the
+task ends with the slow weights (the base method then merges them): scoring, the next task and the
+export see them.
+
+The answer loss on a task's own rows (`answer_loss`): token (the cross-entropy over the vocabulary);
+label_space (VAG: −log softmax over S_t, the tokens the task's answers use, on rows whose every
+target is in S_t); keep_old_labels (−log softmax over the vocabulary less E_t, the earlier tasks'
+answer tokens not in S_t, on positions whose target is not in E_t): neither pushes the earlier
+tasks' labels down. Other rows and positions keep the token loss.
+
+Pseudo examples instead of stored rows (`source` generated; SSR): `pseudo_examples`.
 
 The rate: with `ratio` R = 0 (`replay_ratio`) a later task trains on its own rows and the buffer,
 each row once, in one seeded shuffle; with R > 0 a share R of every batch's rows comes from the
@@ -45,7 +54,7 @@ from .pseudo_examples import pseudo_examples
 BASES = ("full", "lora")
 SELECTIONS = ("random", "balanced", "surprise")
 SOURCES = ("examples", "generated", "none")
-ANSWER_LOSSES = ("token", "label_space")
+ANSWER_LOSSES = ("token", "label_space", "keep_old_labels")
 MAX_LABEL_SPACE = 4096  # answer tokens of one task beyond which label_space is refused (not label strings)
 SLOT = "replay_slot"  # the batch column naming a row's buffer slot (-1: the task's own row)
 SCORE_ROWS = 4  # rows per forward when the end of a task scores or distils its rows
@@ -77,8 +86,9 @@ class ReplayConfig(MethodConfig):
     temperature: float = option(1.0, "replay_temperature", help=(
         "sampling temperature of the pseudo examples' inputs (replay_source generated)"))
     answer_loss: str = option("token", "answer_loss", help=(
-        "token (cross-entropy over the vocabulary) or label_space (a task's own rows: softmax over the tokens of "
-        "its answers only, so it does not push down earlier tasks' labels)"))
+        "token (cross-entropy over the vocabulary), label_space (a task's own rows: softmax over the tokens of "
+        "its answers only) or keep_old_labels (a task's own rows: softmax over the vocabulary less the earlier tasks' "
+        "answer tokens, so it does not push them down)"))
     base: str = option("full", "replay_base", help="on top of seq_full (full) or seq_lora (lora)")
     rank: int = option(8, "lora_rank", help="LoRA rank of the seq_lora base (replay_base lora)")
 
@@ -121,6 +131,7 @@ class Replay(Method):
         self.own_loss_terms = config.distill > 0  # hf.MethodCallback cannot add them: it refuses the method
         self.seed, self.task_index, self.blocks, self.progress = None, 0, None, False  # prepare, train_blocks
         self.label_space = None  # the current task's answer tokens (answer_loss label_space), from train_blocks
+        self.old_labels = None  # the earlier tasks' answer tokens not among this task's (keep_old_labels)
         self.kept: Dict[int, List[int]] = {}  # task index -> its buffer rows (indices into its training rows)
         self.stored: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its rows' stored top-k (distill)
         self.generated: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its pseudo examples (generated)
@@ -141,6 +152,10 @@ class Replay(Method):
         mixed by `ratio`, every row tagged with its slot (`SLOT`). A view: nothing is copied."""
         if self.config.answer_loss == "label_space":
             self.label_space = label_space(blocks[task_index], task_index)
+        if self.config.answer_loss == "keep_old_labels":  # the earlier tasks' answer tokens that are not this task's
+            earlier = [label_space(blocks[i], i) for i in range(task_index)]
+            self.old_labels = torch.from_numpy(np.setdiff1d(torch.cat(earlier).numpy(), label_space(
+                blocks[task_index], task_index).numpy())) if earlier else torch.zeros(0, dtype=torch.long)
         missing = [i + 1 for i in range(task_index) if i not in self.kept and self.config.source != "none"]
         if missing:
             raise InputError(f"replay: no buffer of task(s) {missing}: finish() every earlier task of the sequence "
@@ -194,20 +209,27 @@ class Replay(Method):
             self.replayed = self.replayed + (slots >= 0).sum()  # on the device: read when the task ends
         distill = bool(self.config.distill and self.stored and slots is not None)
         space = self.label_space if self.config.answer_loss == "label_space" else None
-        if not distill and space is None:  # a caller's own batches (no slots): no replayed row is known
+        old = self.old_labels if self.config.answer_loss == "keep_old_labels" and len(self.old_labels) else None
+        if not distill and space is None and old is None:  # a caller's own batches (no slots): none is replayed
             return self.base.loss(model, batch, loss_implementation, num_items, micro_batches)
         labels = batch["labels"]
         targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         total = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
+        own = torch.ones_like(labels[:, 0], dtype=torch.bool) if slots is None else slots < 0
         if space is not None:  # those rows leave the token loss: their labels are scored over the space below
-            own = torch.ones_like(labels[:, 0], dtype=torch.bool) if slots is None else slots < 0
             in_space = (torch.isin(targets, space.to(labels.device)) | (targets == IGNORE_INDEX)).all(1) & own
             batch["labels"] = labels.masked_fill(in_space[:, None], IGNORE_INDEX)
+        if old is not None:  # those positions leave the token loss: scored without the old labels below
+            old = old.to(labels.device)
+            kept_out = own[:, None] & (targets != IGNORE_INDEX) & ~torch.isin(targets, old)
+            batch["labels"] = torch.cat([labels[:, :1], labels[:, 1:].masked_fill(kept_out[:, :-1], IGNORE_INDEX)], 1)
         with final_hidden(model) as caught:
             loss = self.base.loss(model, batch, loss_implementation, total, micro_batches)
         hidden = caught[-1].reshape(*labels.shape, -1)
         if space is not None:
             loss = loss + label_space_sum(model, hidden, targets, in_space, space.to(labels.device)) / total
+        if old is not None:
+            loss = loss + without_tokens_sum(model, hidden, targets, kept_out, old) / total
         if distill:
             loss = loss + self.config.distill * self.distill_sum(model, hidden, slots) / total
         return loss
@@ -406,3 +428,14 @@ def label_space_sum(model, hidden: torch.Tensor, targets: torch.Tensor, rows: to
     index = torch.searchsorted(space, targets.clamp(min=0)).clamp(max=len(space) - 1)
     scored = rows[:, None] & (targets != IGNORE_INDEX)
     return -(logp.gather(-1, index.unsqueeze(-1)).squeeze(-1) * scored).sum()
+
+
+def without_tokens_sum(model, hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                       tokens: torch.Tensor) -> torch.Tensor:
+    """Σ over `positions` ([B, T] bool; no target among `tokens`) of −log softmax(logits)[target], the
+    softmax over the vocabulary less `tokens` (their logits −inf): a loss that does not push those tokens
+    down. The full logits of those positions only (read on the host: which positions)."""
+    row, position = positions.nonzero(as_tuple=True)
+    logits = adapter(base_model(model)).head_logits(hidden[row, position]).float()
+    logits[:, tokens] = -torch.inf
+    return -logits.log_softmax(-1).gather(1, targets[row, position].unsqueeze(1)).sum()
