@@ -142,9 +142,14 @@ class Replay(Method):
     def prepare(self, model, ctx, layers=None):
         self.seed, self.task_index, self.replayed, self.progress = ctx.seed, ctx.task_index, 0, ctx.progress
         setup = self.base.prepare(model, ctx, layers)
-        rate = f", {self.config.ratio:.0%} of each batch" if self.config.ratio else ""
-        setup.summary += (f" on its data plus a {self.config.fraction:.0%} replay buffer of earlier tasks "
-                          f"({self.config.select}{rate})")
+        c = self.config
+        rate = f", {c.ratio:.0%} of each batch" if c.ratio else ""
+        if c.source != "none":
+            rows = "pseudo examples the model wrote" if c.source == "generated" else "rows"
+            setup.summary += (f" on its data plus a {c.fraction:.0%} replay buffer of earlier tasks' {rows} "
+                              f"({c.select}{rate})")
+        if c.answer_loss != "token":
+            setup.summary += f", answer loss {c.answer_loss}"
         return setup
 
     def train_blocks(self, blocks: List[data.BlockSet], task_index: int) -> data.BlockSet:
