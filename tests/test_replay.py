@@ -134,11 +134,13 @@ def test_the_stored_top_k_and_the_distillation_equal_a_direct_computation():
     torch.testing.assert_close(plain, out.loss)
 
 
-def test_the_trainer_callback_refuses_distillation_it_cannot_compute():
+@pytest.mark.parametrize("options", [dict(distill=1.0), dict(answer_loss="label_space"),
+                                     dict(answer_loss="keep_old_labels")])
+def test_the_trainer_callback_refuses_a_loss_it_cannot_compute(options):
     model = tiny_model("llama", layers=2, vocab=VOCAB)
-    task = adept_ext.prepare(model, get_method(ReplayConfig(distill=1.0, base="lora")), general_probe=[], lr=1e-3,
+    task = adept_ext.prepare(model, get_method(ReplayConfig(base="lora", **options)), general_probe=[], lr=1e-3,
                              total_steps=2, progress=False)
-    with pytest.raises(ValueError, match="--replay-distill"):
+    with pytest.raises(ValueError, match="--replay-distill reads each row's buffer slot, its --answer-loss"):
         MethodCallback(task)
 
 

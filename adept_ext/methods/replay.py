@@ -128,7 +128,8 @@ class Replay(Method):
         self.base = get_method(config.base_config())
         self.shardable = self.base.shardable and not config.ema_decay  # the slow copy follows unsharded weights
         self.trains_every_weight = self.base.trains_every_weight
-        self.own_loss_terms = config.distill > 0  # hf.MethodCallback cannot add them: it refuses the method
+        # its loss reads the batch's slots or scores answers its own way: hf.MethodCallback cannot, and refuses it
+        self.own_loss_terms = config.distill > 0 or config.answer_loss != "token"
         self.seed, self.task_index, self.blocks, self.progress = None, 0, None, False  # prepare, train_blocks
         self.label_space = None  # the current task's answer tokens (answer_loss label_space), from train_blocks
         self.old_labels = None  # the earlier tasks' answer tokens not among this task's (keep_old_labels)
