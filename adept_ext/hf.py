@@ -57,8 +57,9 @@ class MethodCallback(TrainerCallback, ExportableState):
                                  "pass the task prepared by adept_ext.prepare")
         elif task.method.own_loss_terms:
             raise ValueError(f"MethodCallback: {task.method.name}'s loss is not the Trainer's token loss plus a "
-                             "penalty (replay's --replay-distill reads each row's buffer slot, its --answer-loss scores "
-                             "answers over another softmax); train it with the runners or a loop that calls task.loss")
+                             "penalty (replay's --replay-distill reads each row's buffer slot, its --answer-loss "
+                             "scores answers over another softmax); train it with the runners or a loop that calls "
+                             "task.loss")
         elif registered is not None and registered.live():
             raise ValueError(f"MethodCallback {name!r}: another callback under this name is live (its task is not "
                              f"finished and its training has not ended); give this one another name (two Trainers "
