@@ -10,7 +10,7 @@ from adept_ext import data
 from adept_ext.errors import InputError
 from adept_ext.hf import MethodCallback
 from adept_ext.methods import ReplayConfig, get_method
-from adept_ext.methods.pseudo_examples import pseudo_examples
+from adept_ext.methods.pseudo_examples import label_examples, pseudo_examples
 from adept_ext.lm_loss import final_hidden
 from adept_ext.methods.replay import SLOT, row_losses, top_k_log_probs
 from tiny_models import tiny_model
@@ -381,3 +381,27 @@ def test_keeping_old_labels_out_of_the_softmax_equals_a_direct_computation():
     first = replay(answer_loss="keep_old_labels", task_index=0)
     first.train_blocks([task], 0)
     torch.testing.assert_close(first.loss(model, batch, "hf"), model(**batch).loss)  # no earlier task: the token loss
+
+
+def test_label_replay_adds_each_earlier_answer_as_a_pseudo_example():
+    earlier = formatted_rows(8)
+    labels = label_examples(earlier)
+    rows = [(ids[mask.bool()].tolist(), lab[lab != -100].tolist())
+            for ids, mask, lab in zip(labels["input_ids"], labels["attention_mask"], labels["labels"])]
+    assert rows == [([11, 12, 5, 13, 14, 5, 6], [5, 6]), ([11, 12, 8, 13, 14, 8, 9], [8, 9])]
+    method = replay(source="none", label_replay=True, ratio=0.5, task_index=0)
+    method.blocks = [earlier]
+    report = {}
+    method.end_task(tiny_model("llama", layers=2, vocab=VOCAB), None, report)
+    assert report["replay"] == {"kept_rows": 0, "replayed_rows": 0, "label_rows": 2}
+    mixed = method.train_blocks([earlier, formatted_rows(6, seed=1)], 1).tensors()
+    assert (mixed[SLOT] >= 0).sum() == 6 and (mixed[SLOT] < 0).sum() == 6  # half of every batch: the answers' rows
+    assert all(any(torch.equal(r, k) for k in labels["input_ids"]) for r in mixed["input_ids"][mixed[SLOT] >= 0])
+
+
+def test_label_replay_and_generated_replay_refuse_a_text_task_before_it_trains():
+    ids = torch.arange(24).reshape(2, 12) + 10
+    text = data.BlockSet(data.TensorBlocks({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+    for options in (dict(label_replay=True), dict(source="generated")):
+        with pytest.raises(InputError, match="a text task"):
+            replay(task_index=0, **options).train_blocks([text], 0)

@@ -324,6 +324,7 @@ OPTIONS = {
     "answer_loss": Opt("label_space", "bogus", "answer_loss must be one of"),
     "ema_decay": Opt(0.9, 1.0, "ema_decay must be in [0, 1)"),
     "replay_temperature": Opt(0.7, 0.0, "replay_temperature must be > 0"),
+    "label_replay": Opt(True),
     "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0"),
     "o_lora_penalty": Opt("l1", "l2", "o_lora_penalty must be one of fro2, l1"),
     "osf_effective_rank": Opt(0.25, 1.5, "osf_effective_rank must be a fraction in (0, 1) or a whole number >= 1"),

@@ -49,9 +49,33 @@ def task_format(rows) -> Dict:
     if len(prefix) + len(suffix) == 0:
         raise InputError("replay_source generated: the task's prompts share no prefix or suffix (no instruction "
                          "or field name to prompt the model with): it is for instruction tasks of one format")
+    padding = batch["input_ids"][batch["attention_mask"] == 0]
     return {"prefix": prefix, "suffix": suffix, "width": int(batch["input_ids"].shape[1]),
             "body": max(len(p) - len(prefix) - len(suffix) for p in prompts),
-            "answer": max(len(a) for a in answers), "ends": sorted({a[-1] for a in answers if a})}
+            "answer": max(len(a) for a in answers), "ends": sorted({a[-1] for a in answers if a}),
+            "answers": sorted({tuple(a) for a in answers if a}), "pad": int(padding[0]) if len(padding) else 0}
+
+
+def as_rows(pairs: Sequence, width: int, pad: int) -> Dict[str, torch.Tensor]:
+    """(prompt, answer) token lists as the task's rows: [len(pairs), width], right-padded with `pad`,
+    labelled on the answer only."""
+    ids = torch.full((len(pairs), width), pad, dtype=torch.long)
+    labels = torch.full((len(pairs), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(pairs), width), dtype=torch.long)
+    for r, (prompt, answer) in enumerate(pairs):
+        ids[r, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[r, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
+        mask[r, :len(prompt) + len(answer)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def label_examples(rows) -> Dict[str, torch.Tensor]:
+    """One pseudo example per distinct answer of a task's training `rows` (VAG's label replay): the
+    task's prefix, the answer's text (less its end token) as the input, the suffix, answered with the
+    answer. Label names, not examples: no input of the task is in them. Answers too wide are left out."""
+    fmt = task_format(rows)
+    pairs = [(fmt["prefix"] + list(a[:-1]) + fmt["suffix"], list(a)) for a in fmt["answers"]]
+    return as_rows([(p, a) for p, a in pairs if len(p) + len(a) <= fmt["width"]], fmt["width"], fmt["pad"])
 
 
 @torch.no_grad()
@@ -65,8 +89,7 @@ def pseudo_examples(model, rows, n: int, temperature: float, seed: int,
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
-    pad = model.generation_config.pad_token_id
-    pad = (eos or fmt["ends"])[0] if pad is None else pad
+    pad = fmt["pad"]
     stops = sorted(set(eos + fmt["suffix"][:1]))  # a body ends where the instruction (or the text) would
     training = model.training
     model.eval()
@@ -94,15 +117,7 @@ def pseudo_examples(model, rows, n: int, temperature: float, seed: int,
             bar.close()
     finally:
         model.train(training)
-    width = fmt["width"]
-    ids = torch.full((len(made), width), pad, dtype=torch.long)
-    labels = torch.full((len(made), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(made), width), dtype=torch.long)
-    for r, (prompt, answer) in enumerate(made):
-        ids[r, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-        labels[r, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
-        mask[r, :len(prompt) + len(answer)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return as_rows(made, fmt["width"], pad)
 
 
 def answered(model, prompt: List[int], fmt: Dict, pad: int, device):

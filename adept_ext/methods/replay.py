@@ -49,7 +49,7 @@ from ..models import adapter
 from .base import Method, MethodConfig, get_method, option, register
 from .full import SeqFullConfig
 from .lora import SeqLoraConfig
-from .pseudo_examples import pseudo_examples
+from .pseudo_examples import label_examples, pseudo_examples, task_format
 
 BASES = ("full", "lora")
 SELECTIONS = ("random", "balanced", "surprise")
@@ -85,6 +85,9 @@ class ReplayConfig(MethodConfig):
         "answers at each task's end: nothing stored) or none (no buffer: the base method, with --answer-loss)"))
     temperature: float = option(1.0, "replay_temperature", help=(
         "sampling temperature of the pseudo examples' inputs (replay_source generated)"))
+    label_replay: bool = option(False, "label_replay", help=(
+        "add every earlier task's answer strings to its buffer as pseudo examples (the task's format around the "
+        "answer's text, answered with it; VAG's label replay: label names, not examples)"))
     answer_loss: str = option("token", "answer_loss", help=(
         "token (cross-entropy over the vocabulary), label_space (a task's own rows: softmax over the tokens of "
         "its answers only) or keep_old_labels (a task's own rows: softmax over the vocabulary less the earlier tasks' "
@@ -104,9 +107,10 @@ class ReplayConfig(MethodConfig):
         self.require_one_of("source", SOURCES)
         self.require_one_of("answer_loss", ANSWER_LOSSES)
         if self.source == "none":
-            for name, value, default in (("ratio", self.ratio, 0), ("select", self.select, "random"),
-                                         ("distill", self.distill, 0)):
-                self.require(name, value == default, "is taken only with a buffer (replay_source examples)")
+            for name, value, default in (("select", self.select, "random"), ("distill", self.distill, 0)) + (
+                    () if self.label_replay else (("ratio", self.ratio, 0),)):
+                self.require(name, value == default, "is taken only with a buffer (replay_source examples or "
+                             "generated; the ratio also with label_replay)")
         self.require_one_of("base", BASES)
         self.base_config()  # checks the base's own options
 
@@ -136,6 +140,7 @@ class Replay(Method):
         self.kept: Dict[int, List[int]] = {}  # task index -> its buffer rows (indices into its training rows)
         self.stored: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its rows' stored top-k (distill)
         self.generated: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its pseudo examples (generated)
+        self.labels: Dict[int, Dict[str, torch.Tensor]] = {}  # task index -> its answers as examples (label_replay)
         self.replayed = 0  # buffer rows the current task's losses saw (a device tensor once counted)
         self.fast, self.slow, self.handles = [], [], []  # ema_decay: the trained weights, their slow copy, hook
         self.ema_steps = 0  # the slow copy's updates in this task
@@ -162,15 +167,20 @@ class Replay(Method):
             earlier = [label_space(blocks[i], i) for i in range(task_index)]
             self.old_labels = torch.from_numpy(np.setdiff1d(torch.cat(earlier).numpy(), label_space(
                 blocks[task_index], task_index).numpy())) if earlier else torch.zeros(0, dtype=torch.long)
-        missing = [i + 1 for i in range(task_index) if i not in self.kept and self.config.source != "none"]
+        missing = [i + 1 for i in range(task_index) if i not in self.kept]
         if missing:
             raise InputError(f"replay: no buffer of task(s) {missing}: finish() every earlier task of the sequence "
                              f"(its end keeps the buffer) before training task {task_index + 1}")
+        if self.config.label_replay or self.config.source == "generated":  # refused now, not at the task's end
+            task_format(blocks[task_index])
         self.blocks = blocks
         own = data.TaggedBlocks(blocks[task_index], SLOT, np.full(len(blocks[task_index]), -1))
-        if task_index == 0 or self.config.source == "none":
+        # slots: the kept rows task by task (the stored top-k's order, `slot_table`), then the answers' rows
+        kept = [self.buffer(blocks, i) for i in range(task_index) if self.config.source != "none"]
+        if self.config.label_replay:
+            kept += [data.BlockSet(data.TensorBlocks(self.labels[i])) for i in range(task_index)]
+        if not kept:
             return data.BlockSet(own)
-        kept = [self.buffer(blocks, i) for i in range(task_index)]
         buffer = data.TaggedBlocks(data.ConcatBlocks(kept), SLOT, np.arange(sum(len(k) for k in kept)))
         seed = self.seed * 1000 + task_index
         if self.config.ratio:
@@ -246,7 +256,7 @@ class Replay(Method):
         table = self.slot_table()
         rows, positions, ids, logprobs = [], [], [], []
         for row, slot in enumerate(slots.tolist()):
-            if slot >= 0:
+            if 0 <= slot < len(table):  # a kept row (the answers' rows of label_replay come after them)
                 stored, start, end = table[slot]
                 rows.append(torch.full((end - start,), row, dtype=torch.long))
                 positions.append(stored["positions"][start:end])
@@ -290,12 +300,15 @@ class Replay(Method):
             if torch.distributed.is_initialized():
                 torch.distributed.all_reduce(replayed)
             replayed = int(replayed)
+        entry = {}
+        if self.config.label_replay:
+            self.labels[self.task_index] = label_examples(rows)
+            entry["label_rows"] = len(self.labels[self.task_index]["input_ids"])
         if self.config.source == "none":
             self.kept[self.task_index] = []
-            report["replay"] = {"kept_rows": 0, "replayed_rows": replayed}
+            report["replay"] = {"kept_rows": 0, "replayed_rows": replayed, **entry}
             return model
         m = max(1, round(self.config.fraction * len(rows)))
-        entry = {}
         if self.config.source == "generated":  # the candidates the selection chooses from: the model's own
             candidates = 1 if self.config.select == "random" else 2
             self.generated[self.task_index] = pseudo_examples(model, rows, candidates * m, self.config.temperature,
@@ -342,7 +355,7 @@ class Replay(Method):
     def state_dict(self) -> Dict:
         replayed = int(self.replayed) if torch.is_tensor(self.replayed) else self.replayed
         return {"base": self.base.state_dict(), "kept": {i: list(k) for i, k in self.kept.items()},
-                "stored": self.stored, "generated": self.generated, "replayed": replayed,
+                "stored": self.stored, "generated": self.generated, "labels": self.labels, "replayed": replayed,
                 "slow": [t.detach().cpu() for t in self.slow], "ema_steps": self.ema_steps}
 
     def load_state_dict(self, state: Dict):
@@ -350,6 +363,7 @@ class Replay(Method):
         self.kept = {int(i): list(k) for i, k in state["kept"].items()}
         self.stored = {int(i): dict(s) for i, s in state["stored"].items()}
         self.generated = {int(i): dict(g) for i, g in state["generated"].items()}
+        self.labels = {int(i): dict(g) for i, g in state["labels"].items()}
         self.replayed = state["replayed"]
         self.ema_steps = state["ema_steps"]
         if state["slow"]:  # inside a task (after attach): its slow copy as the checkpoint held it
