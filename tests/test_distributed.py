@@ -213,7 +213,8 @@ def _run_worker(rank, world, port, options, result_file, runner="train"):
                       MASTER_PORT=str(port))
     report = module.run(module.config_from(options), progress=False, log=lambda *a: None)
     if runner == "continual":
-        torch.save({"matrix": report["matrix"], "general": report["general_loss"]}, f"{result_file}.{rank}")
+        torch.save({"matrix": report["matrix"], "general": report["general_loss"],
+                    "replay": [t.get("replay") for t in report["per_task"]]}, f"{result_file}.{rank}")
     else:
         torch.save({"final": report["final"], "train": [h["loss"] for h in report["history"]["train"]],
                     "layers": report["layers"]}, f"{result_file}.{rank}")
@@ -281,13 +282,17 @@ def test_run_under_ddp_equals_one_process_with_the_same_global_batch(run_workspa
             == sorted(p.name for p in (tmp_path / "single").iterdir()))
 
 
-def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path):
+@pytest.mark.parametrize("method", [dict(method="seq_lora"),
+                                    dict(method="replay", replay_base="lora", replay_ratio=0.5, replay_distill=1.0,
+                                         replay_select="balanced", replay_fraction=0.5)], ids=["seq_lora", "replay"])
+def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_workspace, tmp_path, method):
+    """Replay's distillation and buffer count too: the ranks' replayed rows add up to one process's."""
     from adept_ext.continual import config_from, run
 
     ws = run_workspace
     options = dict(model=str(ws / "tiny"), tasks=f"{ws / 'domain.jsonl'},{ws / 'general'}",
-                   general=str(ws / "general"), method="seq_lora", max_length=32, batch_size=2, steps=2,
-                   warmup_steps=1, probe_blocks=2, eval_blocks=3, save_every=0, lr=1e-3, lora_rank=2)
+                   general=str(ws / "general"), max_length=32, batch_size=2, steps=2,
+                   warmup_steps=1, probe_blocks=2, eval_blocks=3, save_every=0, lr=1e-3, lora_rank=2, **method)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
     mp.spawn(_run_worker, args=(2, _free_port(), {**options, "out": str(tmp_path / "ddp")}, str(tmp_path / "r"),
@@ -297,6 +302,7 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
     flat = [v for row in single["matrix"] for v in row]
     assert [v for row in r0["matrix"] for v in row] == pytest.approx(flat, rel=1e-4, abs=1e-6)
     assert r0["general"] == pytest.approx(single["general_loss"], rel=1e-4)
+    assert r0["replay"] == [t.get("replay") for t in single["per_task"]]
     assert (tmp_path / "ddp" / "report.json").exists() and (tmp_path / "ddp" / "model").is_dir()
 
 

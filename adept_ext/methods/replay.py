@@ -296,10 +296,10 @@ class Replay(Method):
             return model
         rows = self.blocks[self.task_index]
         replayed = self.replayed
-        if torch.is_tensor(replayed):
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(replayed)
-            replayed = int(replayed)
+        if torch.distributed.is_initialized():  # every rank's count (each calls end_task), on the backend's device
+            replayed = torch.as_tensor(replayed, dtype=torch.long, device=next(model.parameters()).device)
+            torch.distributed.all_reduce(replayed)
+        replayed = int(replayed)
         entry = {}
         if self.config.label_replay:
             self.labels[self.task_index] = label_examples(rows)
