@@ -117,7 +117,7 @@ def test_rows_round_trip_through_the_csv(tmp_path):
 def test_every_benchmark_has_a_module_with_run_and_rows():
     import importlib
 
-    assert len(bench.NAMES) == 12
+    assert len(bench.NAMES) == 13
     for name in bench.NAMES:
         module = importlib.import_module(f"bench.{name}")
         assert callable(module.run) and callable(module.rows), name

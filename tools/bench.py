@@ -3,7 +3,8 @@
 for linear_cross_entropy, the installed peers: cut-cross-entropy, Liger), measured in one run on
 the same data. Medians over repeats, after warm-up. What each measures: docs/benchmarks.md.
 
-    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|probe_scaling|eoupct_step|corpus|all
+    python tools/bench.py importance|probe|lr|projection|lens|linear_ce|placement|probe_scaling|eoupct_step|corpus|
+        train_step|packing|replay_step|all
         [--size small|large] [--quick] [--json PATH] [--csv PATH] [--device cpu|cuda] [--full-table]
         [--methods M1,M2] [--steps N]
     python tools/bench.py tables [--csv PATH] [--page PATH] [--check]

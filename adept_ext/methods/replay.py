@@ -57,7 +57,7 @@ SOURCES = ("examples", "generated", "none")
 ANSWER_LOSSES = ("token", "label_space", "keep_old_labels")
 MAX_LABEL_SPACE = 4096  # answer tokens of one task beyond which label_space is refused (not label strings)
 SLOT = "replay_slot"  # the batch column naming a row's buffer slot (-1: the task's own row)
-SCORE_ROWS = 4  # rows per forward when the end of a task scores or distils its rows
+SCORE_ROWS = 16  # rows per forward when the end of a task scores or distils its rows
 
 
 @dataclass(kw_only=True)

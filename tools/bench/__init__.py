@@ -6,4 +6,4 @@ from that CSV."""
 
 # The benchmarks, in the order `all` runs them (each the name of its module here).
 NAMES = ("importance", "probe", "lr", "projection", "lens", "linear_ce", "placement", "probe_scaling",
-         "eoupct_step", "corpus", "train_step", "packing")
+         "eoupct_step", "corpus", "train_step", "packing", "replay_step")

@@ -138,6 +138,11 @@ TABLES = {
                                  ("`eoupct`, `--eoupct-proxy embeds`", "eoupct_embeds"))
          if (size, provider) != ("small", "eoupct_embeds")],
         [col("s", "s", metric="step_time"), col("× seq_lora", "x", metric="time_vs_seq_lora")]),
+    "replay_step": table(
+        {**CPU_QUICK, "benchmark": "replay_step", "dtype": "float32"}, "one step, trec-loc, 4 x 128 tokens",
+        by_provider(("`seq_lora`", "seq_lora"), ("`replay`, 1 of 4 rows replayed", "replay"),
+                    ("… with `--replay-distill 1`", "replay_distill"), ("… with `--ema-decay 0.9`", "replay_ema")),
+        [col("s", "s", metric="step_time"), col("× seq_lora", "x", metric="time_vs_seq_lora")]),
     "probe_scaling": table(
         {**CPU_QUICK, "benchmark": "probe_scaling", "dtype": "float32",
          "shape": "SmolLM2-135M, 4 blocks x 128 tokens, batches of 2, 2 cores"}, "",
