@@ -24,16 +24,20 @@ def run(args, device):
     else:
         shapes = qwen3_layer_shapes(1 if args.quick else 4)
     repeats = (3 if args.quick else 10) * (5 if device.type == "cuda" else 1)
+    torch.manual_seed(0)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         params = [torch.randn(s, device=device, dtype=dtype) for s in shapes]
         grads = [torch.randn(s, device=device, dtype=dtype) for s in shapes]
         numel = sum(p.numel() for p in params)
         nbytes = 2 * numel * params[0].element_size()
-        # The implementations must agree before they are timed.
-        exact = reference.taylor_importance(params, grads)
-        fused = adept_ext.taylor_importance(params, grads)
-        torch.testing.assert_close(fused.double().cpu(), exact.cpu(), rtol=1e-4, atol=1e-3)
+        # The implementations must agree before they are timed; a float32 sum's error scales with Σ|θg|
+        # (column 1), not with the signed sum, which cancels to near 0 on random data.
+        exact = reference.taylor_importance(params, grads).cpu()
+        error = (adept_ext.taylor_importance(params, grads).double().cpu() - exact).abs()
+        allowed = 1e-5 * exact[:, 1:2] + 1e-3
+        if (error > allowed).any():
+            raise AssertionError(f"taylor_importance disagrees with the reference: error {error.max():.3g}")
         flat = torch.randn(nbytes // 4, device=device, dtype=torch.float32)
 
         t_naive, t_foreach, t_fused = (median_time(functools.partial(fn, params, grads), device, repeats)
