@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import held, lm_eval_tasks, parallel
+from . import held, lm_eval_tasks, paired, parallel
 from .errors import InputError, RunError
 
 INSTALL = 'pip install "adept-ext[lm-eval]"'
@@ -169,7 +169,7 @@ def _evaluate_here(model, tokenizer, tasks, include_path, num_fewshot, limit, ba
                 model=lm, tasks=list(tasks), task_manager=task_manager(tuple(tasks), include_path),
                 num_fewshot=None if num_fewshot < 0 else num_fewshot, limit=None if limit < 0 else limit,
                 apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
-                log_samples=samples_path is not None)
+                log_samples=True)  # each item's scores, for the paired tests (`compare`)
     finally:
         quiet.setLevel(level)
     if samples_path is not None:
@@ -178,7 +178,28 @@ def _evaluate_here(model, tokenizer, tasks, include_path, num_fewshot, limit, ba
                 for item in items:
                     f.write(json.dumps({"task": task, **item}, default=handle_non_serializable) + "\n")
     return {"lm_eval_version": lm_eval.__version__, "seconds": round(time.time() - started, 2),
-            "tasks": scores_of(results)}
+            "tasks": scores_of(results), "items": items_of(results["samples"])}
+
+
+def items_of(samples: Dict) -> Dict:
+    """{task: {"doc_ids": [...], "metrics": {metric: [value per item]}}} from lm-eval's logged samples,
+    items in doc_id order, metrics named as `scores_of` names them; metrics whose per-item value is not a
+    number (corpus-level ones) are left out."""
+    items = {}
+    for task, logged in samples.items():
+        by_filter: Dict[str, List] = {}
+        for sample in logged:
+            by_filter.setdefault(sample["filter"], []).append(sample)
+        entry = {"doc_ids": None, "metrics": {}}
+        for filter_name, rows in by_filter.items():
+            rows = sorted(rows, key=lambda r: r["doc_id"])
+            entry["doc_ids"] = entry["doc_ids"] or [r["doc_id"] for r in rows]
+            for metric in rows[0]["metrics"]:
+                values = [_plain(r.get(metric)) for r in rows]
+                if all(v is not None for v in values):
+                    entry["metrics"][metric if filter_name == "none" else f"{metric},{filter_name}"] = values
+        items[task] = entry
+    return items
 
 
 def evaluate_benchmarks(model: torch.nn.Module, tokenizer, tasks: Sequence[str], include_path: str = "",
@@ -253,12 +274,17 @@ def markdown_table(scores: Dict) -> str:
 
 
 def compare(base: Dict, final: Dict) -> Dict:
-    """{task: {metric: {"base", "final", "delta", "stderr", "beyond_2se"}}} of two `evaluate_benchmarks`
-    results on the same tasks: delta = final - base, stderr = sqrt(se_base^2 + se_final^2) (the two
-    scores taken as independent, which overstates it for the same items: a conservative test), and
-    whether |delta| > 2 stderr (None where a stderr is missing)."""
+    """{task: {metric: {"base", "final", "delta", "stderr", "beyond_2se", "paired"}}} of two
+    `evaluate_benchmarks` results on the same tasks: delta = final - base, stderr = sqrt(se_base^2 +
+    se_final^2) (the two scores taken as independent, which overstates it for the same items: a
+    conservative test), whether |delta| > 2 stderr (None where a stderr is missing), and `paired`:
+    `paired.paired_difference` of the two models' per-item values (McNemar's exact test, a paired
+    bootstrap interval; None where either result lacks the items, or they are not the same items)."""
     compared = {}
     for task, entry in final["tasks"].items():
+        base_items, final_items = base.get("items", {}).get(task), final.get("items", {}).get(task)
+        same_items = base_items is not None and final_items is not None and \
+            base_items["doc_ids"] == final_items["doc_ids"]
         for metric, f in entry["metrics"].items():
             b = base["tasks"].get(task, {}).get("metrics", {}).get(metric)
             if b is None or b["value"] is None or f["value"] is None:
@@ -266,22 +292,32 @@ def compare(base: Dict, final: Dict) -> Dict:
             delta = f["value"] - b["value"]
             missing = b["stderr"] is None or f["stderr"] is None
             stderr = None if missing else (b["stderr"] ** 2 + f["stderr"] ** 2) ** 0.5
+            both = same_items and metric in base_items["metrics"] and metric in final_items["metrics"]
             compared.setdefault(task, {})[metric] = {
                 "base": b["value"], "final": f["value"], "delta": delta, "stderr": stderr,
-                "beyond_2se": None if stderr is None else abs(delta) > 2 * stderr}
+                "beyond_2se": None if stderr is None else abs(delta) > 2 * stderr,
+                "paired": paired.paired_difference(base_items["metrics"][metric], final_items["metrics"][metric])
+                if both else None}
     return compared
 
 
+def _yes_no(flag: Optional[bool]) -> str:
+    return "" if flag is None else ("yes" if flag else "no")
+
+
 def comparison_table(compared: Dict) -> str:
-    """The Markdown table of `compare`'s result."""
-    rows = ["| task | metric | base | final | difference | combined stderr | beyond 2 stderr |",
-            "|---|---|---|---|---|---|---|"]
+    """The Markdown table of `compare`'s result: the independent-samples rule beside the paired tests
+    (McNemar's p for 0/1 metrics, the paired bootstrap 95 % interval, the verdict at 5 %)."""
+    rows = ["| task | metric | base | final | difference | combined stderr | beyond 2 stderr | McNemar p | "
+            "paired 95 % interval | real (paired, 5 %) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, metrics in compared.items():
         for metric, c in metrics.items():
             stderr = "" if c["stderr"] is None else f"{c['stderr']:.4f}"
-            beyond = "" if c["beyond_2se"] is None else ("yes" if c["beyond_2se"] else "no")
+            p = c.get("paired") or {}
+            p_value = "" if p.get("p_value") is None else f"{p['p_value']:.3g}"
+            interval = "" if not p else f"[{p['interval'][0]:+.4f}, {p['interval'][1]:+.4f}]"
             rows.append(f"| {task} | {metric} | {c['base']:.4f} | {c['final']:.4f} | {c['delta']:+.4f} | {stderr} | "
-                        f"{beyond} |")
+                        f"{_yes_no(c['beyond_2se'])} | {p_value} | {interval} | {_yes_no(p.get('significant'))} |")
     return "\n".join(rows) + "\n"
 
 

@@ -92,19 +92,19 @@ def test_one_run_takes_a_matching_record_and_skips_a_stale_one(tmp_path):
 def test_benchmark_columns_and_rows_kept_from_earlier_results(tmp_path):
     args = _args(tmp_path)
     arc = {"adept_arc_easy": {"acc": {"base": 0.40, "final": 0.38, "delta": -0.02, "stderr": 0.03,
-                                      "beyond_2se": False}}}
+                                      "beyond_2se": False, "paired": {"significant": True}}}}
     wanted = _wanted(tmp_path)
     seq_lora = cc.summarize({"label": "seq_lora", "method": "seq_lora", "options": {}},
                             [_record(wanted, 0, arc), _record({**wanted, "seed": 1}, 1, {
                                 "adept_arc_easy": {"acc": {**arc["adept_arc_easy"]["acc"], "final": 0.36,
-                                                           "delta": -0.04}}})])
+                                                           "delta": -0.04, "paired": {"significant": False}}}})])
     o_lora = cc.summarize({"label": "o_lora", "method": "o_lora", "options": {}},
                           [_record(_wanted(tmp_path, "o_lora"))])
     assert seq_lora["benchmarks"]["adept_arc_easy acc"]["delta"] == -0.03
     assert seq_lora["benchmarks"]["adept_arc_easy acc"]["delta_spread"] == 0.01
     cc.write_results(args, {}, [seq_lora, o_lora])
     table = Path(args.results).with_suffix(".md").read_text()
-    assert "| seq_lora | 0, 1 | 0.3700 (-0.0300 ± 0.010, se 0.030) |" in table
+    assert "| seq_lora | 0, 1 | 0.3700 (-0.0300 ± 0.010, se 0.030; paired: real in 1/2) |" in table
     assert "| o_lora | 0 | – |" in table
     kept = cc.earlier_rows(args, {})
     assert list(kept) == ["seq_lora", "o_lora"] and kept["seq_lora"]["seeds"][1]["seed"] == 1

@@ -11,7 +11,8 @@ import compare_methods  # noqa: E402
 from adept_ext.train import config_from  # noqa: E402
 from adept_ext.training import result_options  # noqa: E402
 
-ARC = {"adept_arc_easy": {"acc": {"base": 0.40, "final": 0.38, "delta": -0.02, "stderr": 0.03, "beyond_2se": False},
+ARC = {"adept_arc_easy": {"acc": {"base": 0.40, "final": 0.38, "delta": -0.02, "stderr": 0.03, "beyond_2se": False,
+                                  "paired": {"p_value": 0.0041, "significant": True}},
                           "acc_norm": {"base": 0.41, "final": 0.43, "delta": 0.02, "stderr": None,
                                        "beyond_2se": None}}}
 
@@ -89,8 +90,8 @@ def test_benchmark_columns_give_final_delta_and_stderr(tmp_path):
                                                                       "tokens_per_second": None}])
     table = (tmp_path / "compare.md").read_text()
     assert "| adept_arc_easy acc | adept_arc_easy acc_norm |" in table
-    assert ("| lora | +0.0100 | -0.4000 | 10.0% | 60.0 | 130.5 | 2261 | [3] | 0.3800 (-0.0200, se 0.0300) "
-            "| 0.4300 (+0.0200) |") in table
+    assert ("| lora | +0.0100 | -0.4000 | 10.0% | 60.0 | 130.5 | 2261 | [3] | "
+            "0.3800 (-0.0200, se 0.0300, paired p 0.0041 *) | 0.4300 (+0.0200) |") in table
     assert "| full | +0.0100 | -0.4000 | 10.0% | 60.0 | – | 2261 | [3] | – | – |" in table
     compare_methods.write_results(args, [row])  # no benchmark: the columns of before
     assert "acc" not in (tmp_path / "compare.md").read_text()

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from adept_ext import harness
 from adept_ext.errors import RunError
+from adept_ext.paired import paired_difference
 from tiny_models import write_run_workspace
 
 pytest.importorskip("lm_eval")
@@ -140,6 +141,9 @@ def test_scores_equal_a_direct_computation(workspace, tmp_path, variant):
     assert mc["metrics"]["acc"]["value"] == 0.5
     assert mc["metrics"]["acc"]["stderr"] == pytest.approx(np.std([1, 1, 0, 0], ddof=1) / 2)
     assert gen["metrics"]["exact_match"]["value"] == pytest.approx(2 / 3)
+    # Each item's score, in doc order, for the paired tests: the first two right, as written.
+    assert scores["items"]["tiny_mc"] == {"doc_ids": [0, 1, 2, 3], "metrics": {"acc": [1.0, 1.0, 0.0, 0.0]}}
+    assert scores["items"]["tiny_gen"] == {"doc_ids": [0, 1, 2], "metrics": {"exact_match": [1.0, 1.0, 0.0]}}
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     logged = [[r[0] for r in s["filtered_resps"]] for s in sorted(samples, key=lambda s: s["doc_id"])
               if s["task"] == "tiny_mc"]
@@ -250,6 +254,31 @@ def _train_options(workspace, out, **kw):
                             eval_every=0, save_every=2, lr=1e-3, **kw))
 
 
+def scored(acc, doc_ids=None):
+    """An `evaluate_benchmarks` result of one task with per-item accuracies `acc`."""
+    mean = float(np.mean(acc))
+    stderr = float(np.std(acc, ddof=1) / np.sqrt(len(acc)))
+    return {"tasks": {"t": {"n": len(acc), "metrics": {"acc": {"value": mean, "stderr": stderr}}}},
+            "items": {"t": {"doc_ids": doc_ids or list(range(len(acc))), "metrics": {"acc": acc}}}}
+
+
+def test_compare_pairs_each_items_base_and_final_scores():
+    """`compare`: the independent-samples rule beside McNemar's test on the same items (base first), in
+    report tables; no paired verdict where the items differ or were not kept."""
+    base, final = [1.0] * 20 + [0.0] * 5 + [1.0] * 100 + [0.0] * 75, [0.0] * 20 + [1.0] * 5 + [1.0] * 100 + [0.0] * 75
+    got = harness.compare(scored(base), scored(final))["t"]["acc"]
+    assert got["delta"] == pytest.approx(-0.075) and got["beyond_2se"] is False
+    assert got["paired"] == paired_difference(base, final)
+    assert (got["paired"]["base_only"], got["paired"]["final_only"], got["paired"]["significant"]) == (20, 5, True)
+    table = harness.comparison_table({"t": {"acc": got}})
+    assert "| t | acc | 0.6000 | 0.5250 | -0.0750 |" in table and f"| {got['paired']['p_value']:.3g} |" in table
+    lo, hi = got["paired"]["interval"]
+    assert table.rstrip().endswith(f"| no | {got['paired']['p_value']:.3g} | [{lo:+.4f}, {hi:+.4f}] | yes |")
+    shuffled = scored(final, doc_ids=list(range(1, 201)))
+    assert harness.compare(scored(base), shuffled)["t"]["acc"]["paired"] is None
+    assert harness.compare({"tasks": scored(base)["tasks"]}, scored(final))["t"]["acc"]["paired"] is None
+
+
 def test_run_with_benchmarks_trains_as_without_and_resumes_to_the_same_report(workspace, tiny, tmp_path,
                                                                              monkeypatch):
     """`run --benchmarks`: base and final scores with their difference in report.json, report.md and
@@ -273,6 +302,11 @@ def test_run_with_benchmarks_trains_as_without_and_resumes_to_the_same_report(wo
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("benchmarks/tiny_mc/acc")] == [(0, 0.5), (4, diff["final"])]
     assert "| tiny_mc | acc | 0.5000 |" in (tmp_path / "bench" / "report.md").read_text()
+    base_items = with_bench["benchmarks"]["base"]["items"]["tiny_mc"]["metrics"]["acc"]
+    final_items = with_bench["benchmarks"]["final"]["items"]["tiny_mc"]["metrics"]["acc"]
+    assert base_items == [1.0, 1.0, 0.0, 0.0]
+    assert diff["paired"] == paired_difference(base_items, final_items)
+    assert "McNemar p" in (tmp_path / "bench" / "report.md").read_text()
 
     real = train_module.fit_task
 

@@ -31,7 +31,7 @@ import re
 import statistics
 from dataclasses import fields
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from adept_ext.continual import ContinualConfig, config_from, run
 from adept_ext.data.tasks import SEQUENCES
@@ -151,6 +151,12 @@ def one_run(args, row, seed, extra, recorded: List[Dict]) -> Dict:
     return seed_record(seed, run(cfg, progress=False), wanted)
 
 
+def paired_count(entries) -> Optional[List[int]]:
+    """[seeds whose change the paired test calls real at 5 %, seeds with a paired test]; None without one."""
+    tested = [e for e in entries if e]
+    return [sum(bool(e["significant"]) for e in tested), len(tested)] if tested else None
+
+
 def summarize(row, per_seed: List[Dict]) -> Dict:
     """Mean over the seeds of every metric, with each seed's record."""
     first = per_seed[0]
@@ -169,7 +175,8 @@ def summarize(row, per_seed: List[Dict]) -> Dict:
     benchmarks = {key: {"final": mean([b[key]["final"] for b in scored]),
                         "delta": mean([b[key]["delta"] for b in scored]),
                         "delta_spread": spread([b[key]["delta"] for b in scored]),
-                        "stderr": mean([b[key]["stderr"] for b in scored])}
+                        "stderr": mean([b[key]["stderr"] for b in scored]),
+                        "paired_real": paired_count([b[key].get("paired") for b in scored])}
                   for key in scored[0] if all(key in b for b in scored)}
     return {"label": row["label"], "method": row["method"], "options": row["options"],
             **{m: mean([s[m] for s in per_seed]) for m in METRICS},
@@ -273,7 +280,8 @@ def benchmark_table(rows) -> List[str]:
         return []
     lines = ["", "Benchmarks (lm-eval, base and final model of every run): the final value, and in brackets its "
              "change from the base model ± half the seeds' range, then the stderr of that change (lm-eval's, "
-             "the two scores taken as independent):", "",
+             "the two scores taken as independent) and in how many seeds the paired test on the same items "
+             "(McNemar's exact test) calls the change real at 5 %:", "",
              "| method | seeds | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for r in rows:
         cells = []
@@ -281,7 +289,9 @@ def benchmark_table(rows) -> List[str]:
             b = r.get("benchmarks", {}).get(key)
             spread = "" if b is None or b["delta_spread"] is None else f" ± {b['delta_spread']:.3f}"
             stderr = "" if b is None or b["stderr"] is None else f", se {b['stderr']:.3f}"
-            cells.append("–" if b is None else f"{b['final']:.4f} ({b['delta']:+.4f}{spread}{stderr})")
+            real = "" if b is None or not b.get("paired_real") else \
+                f"; paired: real in {b['paired_real'][0]}/{b['paired_real'][1]}"
+            cells.append("–" if b is None else f"{b['final']:.4f} ({b['delta']:+.4f}{spread}{stderr}{real})")
         lines.append(f"| {r['label']} | {', '.join(str(s['seed']) for s in r['seeds'])} | " + " | ".join(cells) + " |")
     return lines
 

@@ -113,11 +113,15 @@ def benchmark_columns(rows: List[Dict]) -> List[str]:
 
 
 def benchmark_cell(row: Dict, task: str, metric: str) -> str:
-    """"final (Δ vs base, se S)" of one benchmark metric of a row; – where its run did not score it."""
+    """"final (Δ vs base, se S, paired p P)" of one benchmark metric of a row, P McNemar's (marked * where
+    the paired test calls the change real at 5 %); – where its run did not score it."""
     c = row.get("benchmarks", {}).get(task, {}).get(metric)
     if c is None:
         return "–"
-    return f"{c['final']:.4f} ({c['delta']:+.4f}" + ("" if c["stderr"] is None else f", se {c['stderr']:.4f}") + ")"
+    paired = c.get("paired") or {}
+    return (f"{c['final']:.4f} ({c['delta']:+.4f}" + ("" if c["stderr"] is None else f", se {c['stderr']:.4f}")
+            + ("" if paired.get("p_value") is None else f", paired p {paired['p_value']:.2g}")
+            + (" *" if paired.get("significant") else "") + ")")
 
 
 def write_results(args, rows):
@@ -135,8 +139,9 @@ def write_results(args, rows):
              + "".join(f", {key} = {value}" for key, value in args.extra.items()) + ".",
              "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is "
              "better)."
-             + (" Benchmarks (lm-eval): the final model's value (its change from the base model, and the stderr of "
-                "that change, the two scores taken as independent)." if columns else ""), "",
+             + (" Benchmarks (lm-eval): the final model's value (its change from the base model, the stderr of "
+                "that change with the two scores taken as independent, and McNemar's paired p on the same items; "
+                "* = real by the paired test at 5 %)." if columns else ""), "",
              "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | train tokens/s "
              "| peak memory MB | layers |" + "".join(f" {task} {metric} |" for task, metric in columns),
              "|---|---|---|---|---|---|---|---|" + "---|" * len(columns)]
