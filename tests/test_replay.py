@@ -246,25 +246,28 @@ def test_the_slow_copy_follows_the_ema_and_the_task_ends_with_it():
     assert report["ema"] == {"decay": beta, "bytes": sum(s.numel() * 4 for s in slow)}
 
 
-def formatted_rows(n, seed=0, width=16):
-    """Rows "11 12 <body> 13 14 <answer>": a field name, a question of random tokens, an instruction,
-    then answer a (5 6) or c (8 9), labelled."""
+def formatted_rows(n, seed=0, width=16, prefix=(11, 12)):
+    """Rows "11 12 <body> 13 14 <answer>": a field name (`prefix`), a question of random tokens, an
+    instruction, then answer a (5 6) or c (8 9), labelled."""
     g = torch.Generator().manual_seed(seed)
     ids, labels = torch.zeros(n, width, dtype=torch.long), torch.full((n, width), -100)
     mask = torch.zeros(n, width, dtype=torch.long)
     for r in range(n):
         body = torch.randint(15, VOCAB, (3 + r % 3,), generator=g).tolist()
         answer = ANSWERS["a" if r % 2 else "c"]
-        row = [11, 12] + body + [13, 14] + answer
+        row = list(prefix) + body + [13, 14] + answer
         ids[r, :len(row)] = torch.tensor(row)
         labels[r, len(row) - len(answer):len(row)] = torch.tensor(answer)
         mask[r, :len(row)] = 1
     return data.BlockSet(data.TensorBlocks({"input_ids": ids, "attention_mask": mask, "labels": labels}))
 
 
-def test_generated_pseudo_examples_hold_no_training_row_and_are_answered_by_the_model():
+@pytest.mark.parametrize("prefix", [(11, 12), ()], ids=["field-name", "input-first"])
+def test_generated_pseudo_examples_hold_no_training_row_and_are_answered_by_the_model(prefix):
+    """With a shared prefix the model samples after it; without one (the classification tasks: the input
+    first, the instruction after it) it samples from its document start, which the rows do not keep."""
     model = tiny_model("llama", layers=2, vocab=VOCAB).train()
-    rows = formatted_rows(8)
+    rows = formatted_rows(8, prefix=prefix)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(40):  # the task learned: the model answers after the instruction
         optimizer.zero_grad()
@@ -281,7 +284,8 @@ def test_generated_pseudo_examples_hold_no_training_row_and_are_answered_by_the_
         assert tuple(ids.tolist()) not in training
         first = int((labels != -100).nonzero()[0])
         prompt, answer = row[:first], row[first:]
-        assert prompt[:2] == [11, 12] and prompt[-2:] == [13, 14] and len(prompt) > 4  # the task's format
+        assert prompt[:len(prefix)] == list(prefix) and prompt[-2:] == [13, 14]  # the task's format
+        assert len(prompt) > len(prefix) + 2 and 1 not in prompt  # a body, and no document start (BOS 1)
         assert answer[-1] in (6, 9) and labels[first:len(row)].tolist() == answer
         greedy = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=2, pad_token_id=0,
                                 eos_token_id=[6, 9])[0, len(prompt):].tolist()

@@ -7,7 +7,10 @@ suffix (the instruction: "\\nAnswer type:"). The model samples a body after the 
 sampling, stopped at the suffix's first token or EOS, at most the longest body of the task), the
 suffix is appended, and the model as it is then answers greedily (stopped at the tokens the task's
 answers end with). Empty bodies or answers and duplicate bodies are dropped. The rows have the
-task's width, right-padded, labelled on the answer only, as the task's own rows are.
+task's width, right-padded, labelled on the answer only, as the task's own rows are. Where the prompts
+share no prefix (the input comes first, the instruction after it), sampling starts from the model's
+document start (its BOS token, else its EOS token, which separates documents in pretraining), which is
+not kept in the row.
 """
 from typing import Dict, List, Sequence
 
@@ -90,6 +93,7 @@ def pseudo_examples(model, rows, n: int, temperature: float, seed: int,
     eos = model.generation_config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
     pad = fmt["pad"]
+    start = fmt["prefix"] or document_start(model, eos)
     stops = sorted(set(eos + fmt["suffix"][:1]))  # a body ends where the instruction (or the text) would
     training = model.training
     model.eval()
@@ -99,7 +103,7 @@ def pseudo_examples(model, rows, n: int, temperature: float, seed: int,
             torch.manual_seed(seed)
             bar = tqdm(total=n, desc="pseudo examples", disable=not progress)
             for _ in range(4):
-                prompt = torch.tensor([fmt["prefix"]] * n, device=device)
+                prompt = torch.tensor([start] * n, device=device)
                 out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                                      temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=fmt["body"],
                                      eos_token_id=stops, pad_token_id=pad)[:, prompt.shape[1]:].tolist()
@@ -118,6 +122,17 @@ def pseudo_examples(model, rows, n: int, temperature: float, seed: int,
     finally:
         model.train(training)
     return as_rows(made, fmt["width"], pad)
+
+
+def document_start(model, eos: List[int]) -> List[int]:
+    """The token a document starts after: the model's BOS, else its first EOS; InputError without either."""
+    bos = model.generation_config.bos_token_id
+    if bos is not None:
+        return [int(bos)]
+    if eos:
+        return [int(eos[0])]
+    raise InputError("replay_source generated: the task's prompts share no prefix and the model has neither a BOS "
+                     "nor an EOS token to start a pseudo example from")
 
 
 def answered(model, prompt: List[int], fmt: Dict, pad: int, device):
