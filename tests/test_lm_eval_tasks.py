@@ -1,7 +1,8 @@
 """adept_ext's instruction tasks as lm-eval tasks (adept_ext.lm_eval_tasks): the exported items are the held-out
 examples the continual runner scores; lm-eval's exact match on them is `answer_scores`' accuracy, item by item,
 and its multiple-choice accuracy the argmax over the label set of the labels' summed log-probabilities computed
-directly; the built-in names work in --benchmarks without a YAML of the user's; the offline ARC-Easy task."""
+directly; the built-in names work in --benchmarks without a YAML of the user's; the offline ARC-Easy task (the
+whole suite: tests/test_general_suite.py)."""
 import json
 
 import pytest
@@ -126,7 +127,9 @@ def test_builtin_names_need_no_yaml_of_the_users(workspace, tmp_path, monkeypatc
 
 
 def test_arc_easy_items_are_the_validation_questions():
-    items = lm_eval_tasks.arc_easy_items()
+    from adept_ext.general_suite import items as suite_items
+
+    items = suite_items("adept_arc_easy")
     assert len(items) == 570 and len({i["query"] for i in items}) == 570
     assert all(i["query"].startswith("Question: ") and i["query"].endswith("\nAnswer:") for i in items)
     assert all(0 <= i["gold"] < len(i["choices"]) for i in items)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write adept_ext's instruction tasks (and the offline ARC-Easy) as lm-eval tasks: per task the held-out
+"""Write adept_ext's instruction tasks (and the offline general suite) as lm-eval tasks: per task the held-out
 examples that `adept-ext continual --seed SEED` scores, as a JSONL file, and its YAML tasks
 (adept_TASK_mc: multiple choice over the label set; adept_TASK_gen: greedy exact match as adept_ext
 defines it; with a _seedN suffix for a seed N other than 0). What they are: docs/evaluation.md,
@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from adept_ext.errors import InputError
-from adept_ext.lm_eval_tasks import GENERAL, export_tasks
+from adept_ext.lm_eval_tasks import GENERAL, SUITE, export_tasks
 
 
 def main(argv=None) -> int:
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="the folder to write (created; an include path of lm-eval)")
     parser.add_argument("--tasks", default=f"classification,{GENERAL}",
                         help="comma-separated: bbc-topic, sms-spam, rt-sentiment, parl-language, classification "
-                             f"(the four), {GENERAL}")
+                             f"(the four), the general suite's tasks and groups: {', '.join(SUITE)}")
     parser.add_argument("--seed", type=int, default=0, help="the runner's --seed, which splits off the held-out items")
     args = parser.parse_args(argv)
     try:
