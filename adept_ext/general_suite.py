@@ -13,6 +13,7 @@ lm-eval name (`adept_` + lm-eval's), the file, the metrics lm-eval's task report
 `GROUPS` the group `adept_general` (the ten general tasks; lm-eval's item-weighted mean and pooled
 stderr, `weight_by_size`) and `adept_medical` (the two exams).
 """
+import functools
 import gzip
 import json
 import re
@@ -140,8 +141,10 @@ def olmo_docs(task: SuiteTask) -> List[Dict]:
     return [docs[k] for k in sorted(docs)]
 
 
+@functools.lru_cache(maxsize=None)
 def items(name: str) -> List[Dict]:
-    """Task `name`'s items as lm-eval's task of that name asks them (the module docstring), in OLMo's order."""
+    """Task `name`'s items as lm-eval's task of that name asks them (the module docstring), in OLMo's order;
+    read once per process (every scored row of a continual run exports them again). Do not modify."""
     task = TASKS[name]
     return [task.convert(doc) for doc in olmo_docs(task)]
 

@@ -129,6 +129,8 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
+
+
 def export_tasks(names: Sequence[str], folder, seed: int = 0) -> List[str]:
     """Write the lm-eval tasks of `names` (built-in instruction tasks, "classification" for the four, the
     general suite's tasks and groups, a group with its tasks) into `folder` (see the module docstring);
