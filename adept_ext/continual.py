@@ -35,6 +35,7 @@ from .report import plot_matrix, plot_series
 from .data.packing import packed_view
 from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
 from .data.truncation import report_entries
+from .training import drift
 from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
                        check_memory, check_out, data_workers, device_for, evaluate, fit_task, options_from,
                        peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint, remove_stale_shards, rng_state,
@@ -97,17 +98,26 @@ def metrics(matrix: List[List[float]]) -> Dict[str, Optional[float]]:
 
 
 class Evaluator:
-    """Scores of a model on every task's held-out split and on the general corpus."""
+    """Scores of a model on every task's held-out split and on the general corpus, and its drift from
+    the base model there (--drift-tokens: `drift.mean_kl` against `drift_reference`, taken on the base)."""
 
     def __init__(self, cfg, tasks, general_eval, device, eos_id, progress, method):
         self.cfg, self.tasks, self.general_eval, self.device = cfg, tasks, general_eval, device
         self.eos_id, self.progress, self.method = eos_id, progress, method
+        self.drift_reference = None
 
-    def row(self, model, label: str) -> Dict:
+    def row(self, model, label: str, base: bool = False) -> Dict:
         """Task i is scored on the model `method.scoring(model, i)` yields; the general corpus on `model`;
         under autocast where the model holds bfloat16 weights."""
         with held.autocast_for(model, self.device):  # the frozen weights held (bfloat16) as the steps see them
-            return self.scored_row(model, label)
+            row = self.scored_row(model, label)
+        if self.cfg.drift_tokens and base:
+            self.drift_reference = drift.base_distributions(model, self.general_eval, self.cfg.drift_tokens,
+                                                            self.device)
+            row["kl_to_base"] = 0.0
+        elif self.cfg.drift_tokens:
+            row["kl_to_base"] = drift.mean_kl(model, self.general_eval, self.drift_reference, self.device)
+        return row
 
     def scored_row(self, model, label: str) -> Dict:
         scores, details = [], []
@@ -149,6 +159,9 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
     out = check_out(cfg, "continual")
     method = create(cfg.method, cfg, sequence=True)
     checkpoint = read_checkpoint(out) if cfg.resume else None
+    if checkpoint and cfg.drift_tokens and checkpoint.get("drift_reference") is None:
+        raise RunError(f"the checkpoint in {out} was written before the drift signal existed (it holds no base "
+                       "distributions): resume it with --drift-tokens 0")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
@@ -191,7 +204,8 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         gc.collect()
         model = load_model(out / RESUME_MODEL, device=device, attn_implementation=cfg.attn_implementation,
                            hold=hold)[0]
-    rows = checkpoint["rows"] if checkpoint else [evaluator.row(model, "base")]
+    evaluator.drift_reference = checkpoint.get("drift_reference") if checkpoint else None
+    rows = checkpoint["rows"] if checkpoint else [evaluator.row(model, "base", base=True)]
     if not checkpoint:
         add_benchmarks(rows[0], cfg, model, tokenizer, out / "benchmark_samples_base.jsonl", log)
     per_task = checkpoint["per_task"] if checkpoint else []
@@ -214,7 +228,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             task_dir = out / f"task-{t + 1}-{task.name}" if main else None  # what rank 0 writes for this task
             hooks = _TaskHooks(task_dir, t, len(tasks), task.name, log, cfg)
             hooks.fields = {"completed": t, "rows": rows, "per_task": per_task, "history": history,
-                            "task_start": method.state_dict()}
+                            "task_start": method.state_dict(), "drift_reference": evaluator.drift_reference}
             resuming = inside and t == first
             task_history = checkpoint["task_history"] if resuming else {"train": []}
             hooks.first_step = checkpoint["step"] if resuming else 0
@@ -246,7 +260,8 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             if t + 1 < len(tasks) and main:
                 atomic_dir(out / RESUME_MODEL, lambda tmp: save_exact(model, tokenizer, tmp))
                 state = {"completed": t + 1, "rows": rows, "per_task": per_task, "history": history,
-                         "method": method.state_dict(), "rng": rng_state(), "world_size": parallel.world_size()}
+                         "method": method.state_dict(), "rng": rng_state(), "world_size": parallel.world_size(),
+                         "drift_reference": evaluator.drift_reference}
                 atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
                 remove_stale_shards(out)
     finally:
@@ -291,6 +306,7 @@ def track_scores(tracker, tasks, rows, step: int):
     scores = {f"continual/score/{task.name}": score for task, score in zip(tasks, rows[-1]["scores"])}
     running = metrics([row["scores"][:done] for row in rows]) if done else {}
     tracker.log({**scores, **harness.tracked(rows[-1].get("benchmarks")), "eval/general_loss": rows[-1]["general_loss"],
+                 **({"eval/kl_to_base": rows[-1]["kl_to_base"]} if "kl_to_base" in rows[-1] else {}),
                  **{f"continual/{k}": v for k, v in running.items() if v is not None}}, step)
 
 
@@ -331,6 +347,7 @@ def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds, los
             "matrix": matrix, "rows": rows, "metrics": metrics(matrix),
             "general_loss": [r["general_loss"] for r in rows],
             "general_forgetting": rows[-1]["general_loss"] - rows[0]["general_loss"],
+            **({"kl_to_base": [r["kl_to_base"] for r in rows]} if "kl_to_base" in rows[-1] else {}),
             "trainable_parameters": [p["trainable_parameters"] for p in per_task],
             "per_task": per_task, "history": history,
             **({"benchmark_difference": harness.compare(rows[0]["benchmarks"], rows[-1]["benchmarks"])}
@@ -366,7 +383,10 @@ def markdown_report(report: Dict) -> str:
     lines += [f"| {r['label']} | " + " | ".join(f"{s:.4f}" for s in r["scores"]) + f" | {r['general_loss']:.4f} |"
               for r in report["rows"]]
     lines += ["", f"AA {m['AA']:.4f}; BWT {_fmt(m['BWT'])}; FWT {_fmt(m['FWT'])}; general forgetting "
-                  f"(general loss after the last task − base) {report['general_forgetting']:+.4f}.", "",
+                  f"(general loss after the last task − base) {report['general_forgetting']:+.4f}"
+                  + ("." if "kl_to_base" not in report else
+                     f"; drift from the base (mean KL on held-out general positions) "
+                     f"{', '.join(f'{kl:.4f}' for kl in report['kl_to_base'][1:])} after each task."), "",
               "| task | what trained | trainable parameters | seconds | peak memory MB |", "|---|---|---|---|---|"]
     lines += [f"| {p['task']} | {p['summary']} | {p['trainable_parameters'] / 1e6:.2f}M | {p['seconds']} | "
               f"{p['peak_memory_mb']} |" for p in report["per_task"]]

@@ -41,6 +41,7 @@ from .methods.freeze_deep import DIAGNOSIS_TASKS
 from .lm_loss import check_packing, loss_path
 from .models import load_model
 from .report import plot_loss_curves
+from .training import drift
 from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
                        check_memory, check_out, data_workers, device_for, evaluate, fit_task, held_as_frozen,
                        options_from, peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint,
@@ -248,19 +249,27 @@ class _RunHooks(TaskHooks):
         self.cfg, self.model, self.corpora, self.out, self.report = cfg, model, corpora, out, report
         self.history, self.device, self.tracker, self.progress, self.log = history, device, tracker, progress, log
         self.t0, self.first_step = time.time(), 0
-        self.tokenizer = self.final_benchmarks = None
+        self.tokenizer = self.final_benchmarks = self.drift_reference = None
 
     def stage(self, name, **extra):
         self.report["stages"][name] = {"seconds": round(time.time() - self.t0, 2),
                                        "peak_memory_mb": round(peak_memory_mb(self.device)), **extra}
         self.t0 = time.time()
 
-    def evaluate(self, step: int, label="", group="eval"):
-        """The held-out losses, sent to the tracker as `group`/general_loss and `group`/domain_loss."""
+    def evaluate(self, step: int, label="", group="eval", base=False):
+        """The held-out losses and, with --drift-tokens, the drift signal (`drift.mean_kl`; on the `base`
+        model its reference is taken, and the base's own KL is 0), sent to the tracker as
+        `group`/general_loss, `group`/domain_loss and `group`/kl_to_base."""
         c = self.corpora
         result = {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress,
                                  self.cfg.loss_implementation)
                   for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
+        if self.cfg.drift_tokens and base:
+            self.drift_reference = drift.base_distributions(self.model, c.general_eval, self.cfg.drift_tokens,
+                                                            self.device)
+            result["kl_to_base"] = 0.0
+        elif self.cfg.drift_tokens:
+            result["kl_to_base"] = drift.mean_kl(self.model, c.general_eval, self.drift_reference, self.device)
         self.tracker.log({f"{group}/{name}": value for name, value in result.items()}, step)
         return result
 
@@ -278,7 +287,7 @@ class _RunHooks(TaskHooks):
             self.history["eval"].append({"step": step, **self.evaluate(step)})
 
     def checkpoint_fields(self):
-        return {"base": self.base, "base_benchmarks": self.base_benchmarks}
+        return {"base": self.base, "base_benchmarks": self.base_benchmarks, "drift_reference": self.drift_reference}
 
     def trained(self, step):
         per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.max_length
@@ -311,6 +320,9 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     main = parallel.is_main()
     bf16 = use_bf16(cfg, device)
     checkpoint = read_checkpoint(check_out(cfg, "run")) if cfg.resume else None
+    if checkpoint and cfg.drift_tokens and checkpoint.get("drift_reference") is None:
+        raise RunError(f"the checkpoint in {cfg.out} was written before the drift signal existed (it holds no base "
+                       "distributions): resume it with --drift-tokens 0")
     method = create(cfg.method, cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -343,8 +355,9 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         hooks = _RunHooks(cfg, model, corpora, out, report, history, device, tracker, progress, log)
         hooks.tokenizer = tokenizer
         hooks.first_step = checkpoint["step"] if checkpoint else 0
+        hooks.drift_reference = checkpoint.get("drift_reference") if checkpoint else None
         with nullcontext() if checkpoint else held_as_frozen(model, cfg, bf16):  # the base as the steps see it
-            base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(0, " (base)")
+            base = hooks.base = checkpoint["base"] if checkpoint else hooks.evaluate(0, " (base)", base=True)
             hooks.stage("base_eval", **base)
             log(f"base model: general loss {base['general_loss']:.4f}, domain loss {base['domain_loss']:.4f}")
             hooks.base_benchmarks = checkpoint.get("base_benchmarks") if checkpoint else \
@@ -373,6 +386,8 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         "perplexity": {"base_general": math.exp(base["general_loss"]), "final_general": math.exp(final["general_loss"]),
                        "base_domain": math.exp(base["domain_loss"]), "final_domain": math.exp(final["domain_loss"])},
         "evaluated_held": evaluated_held(cfg, bf16),
+        **({"drift": {"tokens": sum(len(r) for r in hooks.drift_reference), "kl_to_base": final["kl_to_base"]}}
+           if cfg.drift_tokens else {}),
         "trainable_parameters": n_trainable, "trainable_fraction": report["stages"]["prepare"]["trainable_fraction"],
         "memory_estimate_mb": fit["memory_estimate_mb"],
         "history": history, "plots": sorted(p.name for p in out.glob("*.png")),
@@ -407,7 +422,10 @@ def markdown_report(report: Dict) -> str:
              f"gain (domain −Δloss): {report['gain_domain_delta']:+.4f}."
              + ("" if not report.get("evaluated_held") else
                 f" Both rows evaluate the model as the steps saw it, its frozen weights held in "
-                f"{report['evaluated_held']} (--frozen-dtype); the saved model has them exact."), "",
+                f"{report['evaluated_held']} (--frozen-dtype); the saved model has them exact.")
+             + ("" if "drift" not in report else
+                f" Drift from the base: mean KL {report['drift']['kl_to_base']:.4f} nats over "
+                f"{report['drift']['tokens']} held-out general positions."), "",
              f"Trainable parameters: {report['trainable_parameters'] / 1e6:.2f}M ({report['trainable_fraction']:.1%}): "
              f"{report['summary']}. Layer numbers are those of the model before expansion unless said otherwise.", "",
              "| stage | seconds | peak memory MB |", "|---|---|---|"]

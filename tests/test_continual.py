@@ -309,6 +309,7 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
     flat = lambda m: [v for row in m for v in row]  # noqa: E731
     assert flat(resumed["matrix"]) == pytest.approx(flat(full["matrix"]), rel=1e-5)
     assert resumed["general_loss"] == pytest.approx(full["general_loss"], rel=1e-5)
+    assert resumed["kl_to_base"] == pytest.approx(full["kl_to_base"], rel=1e-4)  # the base's distributions kept
     losses = lambda report: [entry["loss"] for task in report["history"] for entry in task]  # noqa: E731
     assert losses(resumed) == pytest.approx(losses(full), rel=1e-5)  # the same batches in the same order
     assert [t.get("replay") for t in resumed["per_task"]] == [t.get("replay") for t in full["per_task"]]
@@ -447,6 +448,9 @@ def test_report_to_tensorboard_writes_scores_and_running_metrics(workspace):
                                                   for t, row in enumerate(report["matrix"])]
     assert got["eval/general_loss"] == [(t * steps, pytest.approx(g, rel=1e-6))
                                         for t, g in enumerate(report["general_loss"])]
+    assert got["eval/kl_to_base"] == [(t * steps, pytest.approx(kl, rel=1e-6))
+                                      for t, kl in enumerate(report["kl_to_base"])]
+    assert report["kl_to_base"][0] == 0.0 and all(kl > 0 for kl in report["kl_to_base"][1:])
     assert got["continual/AA"][-1] == (2 * steps, pytest.approx(report["metrics"]["AA"], rel=1e-6))
     assert got["continual/BWT"] == [(2 * steps, pytest.approx(report["metrics"]["BWT"], rel=1e-6))]
     assert all(p["tokens_per_second"] > 0 and p["memory_estimate_mb"] > 0 for p in report["per_task"])

@@ -111,6 +111,7 @@ def test_resume_after_interrupt_gives_the_same_result(workspace, monkeypatch, me
                                           **extra)
     assert resumed["final"]["domain_loss"] == pytest.approx(full["final"]["domain_loss"], rel=1e-5)
     assert resumed["final"]["general_loss"] == pytest.approx(full["final"]["general_loss"], rel=1e-5)
+    assert resumed["drift"] == pytest.approx(full["drift"], rel=1e-4)  # the base's distributions in the checkpoint
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(
         [h["loss"] for h in full["history"]["train"]], rel=1e-5)
 
@@ -282,6 +283,7 @@ OPTIONS = {
     "loss_implementation": Opt("hf", "logits", "loss_implementation must be one of auto, fused, hf"),
     "compile": Opt(True),
     "probe_blocks": Opt(2, 0, "probe_blocks must be >= 1"),
+    "drift_tokens": Opt(64, -1, "drift_tokens must be >= 0"),
     "eval_blocks": Opt(2, 0, "eval_blocks must be >= 1"),
     "save_every": Opt(5, -1, "save_every must be >= 0"),
     "recompute_every": Opt(5, 0, "recompute_every must be >= 1"),
@@ -815,8 +817,10 @@ def test_report_to_tensorboard_writes_every_scalar(workspace):
                 "adept/recomputes"):
         assert len(got[tag]) == 4 and all(v > 0 for _, v in got[tag][1:]), tag
     evals = [(0, report["base"])] + [(e["step"], e) for e in report["history"]["eval"]]
-    for name in ("general_loss", "domain_loss"):
+    for name in ("general_loss", "domain_loss", "kl_to_base"):
         assert got[f"eval/{name}"] == [(s, pytest.approx(e[name], rel=1e-6)) for s, e in evals]
+    assert got["eval/kl_to_base"][0] == (0, 0.0) and all(v > 0 for _, v in got["eval/kl_to_base"][1:])
+    assert report["drift"] == {"tokens": 4 * 31, "kl_to_base": report["final"]["kl_to_base"]}
     assert report["stages"]["train"]["tokens_per_second"] > 0
 
 

@@ -138,14 +138,17 @@ def write_results(args, rows):
              f"k = {args.k}"
              + "".join(f", {key} = {value}" for key, value in args.extra.items()) + ".",
              "Forgetting = general held-out Δloss (lower is better); gain = domain held-out Δloss (more negative is "
-             "better)."
+             "better); KL to base = the final model's mean KL from the base's next-token distributions on held-out "
+             "general positions (--drift-tokens)."
              + (" Benchmarks (lm-eval): the final model's value (its change from the base model, the stderr of "
                 "that change with the two scores taken as independent, and McNemar's paired p on the same items; "
                 "* = real by the paired test at 5 %)." if columns else ""), "",
-             "| method | general Δloss (forgetting) | domain Δloss (gain) | trainable | wall s | train tokens/s "
-             "| peak memory MB | layers |" + "".join(f" {task} {metric} |" for task, metric in columns),
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(columns)]
+             "| method | general Δloss (forgetting) | domain Δloss (gain) | KL to base | trainable | wall s "
+             "| train tokens/s | peak memory MB | layers |"
+             + "".join(f" {task} {metric} |" for task, metric in columns),
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(columns)]
     lines += [f"| {r['method']} | {r['general_delta']:+.4f} | {r['domain_delta']:+.4f} | "
+              + (f"{r['final']['kl_to_base']:.4f}" if "kl_to_base" in r.get("final", {}) else "–") + " | "
               f"{r['trainable_fraction']:.1%} | {r['wall_seconds']} | {r.get('tokens_per_second') or '–'} | "
               f"{r.get('peak_memory_mb') or '–'} | {r['layers']} |"
               + "".join(f" {benchmark_cell(r, task, metric)} |" for task, metric in columns) for r in rows]

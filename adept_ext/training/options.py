@@ -78,6 +78,11 @@ class TrainOptions:
         "of every task's blocks)"))
     probe_blocks: int = option(8, help="general blocks used to probe layers and score units")
     eval_blocks: int = option(16, help="held-out blocks per corpus for evaluation")
+    drift_tokens: int = option(512, help=(
+        "the drift signal: the mean KL divergence of the model's next-token distributions from the base model's "
+        "at the first N labelled positions of the held-out general rows (all of them where they hold fewer), at "
+        "every evaluation (`kl_to_base` in report.json and to --report-to); the base's are kept on the host in "
+        "float32, N × vocabulary × 4 bytes (512 positions: 100 MB at a 49k vocabulary); 0 = off"))
     save_every: int = option(20, help="checkpoint every N steps (0 = never)")
     seed: int = option(0, help="random seed (data split and order)")
     bf16: str = option("auto", help="bf16 autocast: auto (GPUs that support it), on (also on the CPU), off")
@@ -158,9 +163,10 @@ class BenchmarkOptions:
 
 
 # Options that never change what a run computes: where it writes, how often it checkpoints or logs, what
-# it tracks, how many processes prepare its data (the batches are the same for any count).
+# it tracks, how many processes prepare its data (the batches are the same for any count), what it
+# measures beside the held-out losses (the drift signal).
 NOT_RESULTS = ("out", "overwrite", "resume", "save_every", "logging_steps", "report_to", "data_workers",
-               "dataloader_num_workers", "log_samples")
+               "dataloader_num_workers", "log_samples", "drift_tokens")
 
 
 def result_options(cfg) -> Dict:
@@ -256,7 +262,8 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     for name in ("max_length", "batch_size", "grad_accum", "steps", "logging_steps", "probe_blocks", "eval_blocks"):
         if getattr(cfg, name) < 1:
             raise RunError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm", "dataloader_num_workers"):
+    for name in ("warmup_steps", "save_every", "weight_decay", "max_grad_norm", "dataloader_num_workers",
+                 "drift_tokens"):
         if not getattr(cfg, name) >= 0:
             raise RunError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
