@@ -85,13 +85,14 @@ def test_benchmark_columns_give_final_delta_and_stderr(tmp_path):
     args = SimpleNamespace(results=str(tmp_path / "compare"), steps=100, lr=3e-4, seed=0, k=4,
                            extra={"benchmarks": "adept_arc_easy"})
     row = {"method": "lora", "general_delta": 0.01, "domain_delta": -0.4, "trainable_fraction": 0.1,
-           "wall_seconds": 60.0, "layers": [3], "tokens_per_second": 130.5, "peak_memory_mb": 2261}
+           "wall_seconds": 60.0, "layers": [3], "tokens_per_second": 130.5, "peak_memory_mb": 2261,
+           "final": {"kl_to_base": 0.0123}}
     compare_methods.write_results(args, [{**row, "benchmarks": ARC}, {**row, "method": "full", "benchmarks": {},
-                                                                      "tokens_per_second": None}])
+                                                                      "tokens_per_second": None, "final": {}}])
     table = (tmp_path / "compare.md").read_text()
     assert "| adept_arc_easy acc | adept_arc_easy acc_norm |" in table
-    assert ("| lora | +0.0100 | -0.4000 | 10.0% | 60.0 | 130.5 | 2261 | [3] | "
+    assert ("| lora | +0.0100 | -0.4000 | 0.0123 | 10.0% | 60.0 | 130.5 | 2261 | [3] | "
             "0.3800 (-0.0200, se 0.0300, paired p 0.0041 *) | 0.4300 (+0.0200) |") in table
-    assert "| full | +0.0100 | -0.4000 | 10.0% | 60.0 | – | 2261 | [3] | – | – |" in table
+    assert "| full | +0.0100 | -0.4000 | – | 10.0% | 60.0 | – | 2261 | [3] | – | – |" in table
     compare_methods.write_results(args, [row])  # no benchmark: the columns of before
     assert "acc" not in (tmp_path / "compare.md").read_text()
