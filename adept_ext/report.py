@@ -117,6 +117,26 @@ def plot_loss_curves(history: Dict, base: Dict, path, title: str = "loss"):
     _save(fig, path)
 
 
+def plot_merge_front(front: List[Dict], chosen: float, path, title: str = "merging back"):
+    """The merge-back front: general Δloss (forgetting) against domain Δloss (gain) from the base at each
+    α (labelled), the chosen α marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    ax.plot([p["general_delta"] for p in front], [p["domain_delta"] for p in front], marker="o", color="tab:blue")
+    for point in front:
+        ax.annotate(f"α={point['alpha']:g}", (point["general_delta"], point["domain_delta"]), fontsize=7,
+                    textcoords="offset points", xytext=(4, 3))
+    pick = next(p for p in front if p["alpha"] == chosen)
+    ax.plot([pick["general_delta"]], [pick["domain_delta"]], marker="*", markersize=14, color="tab:red",
+            label=f"chosen α = {chosen:g}")
+    ax.axvline(0, color="grey", lw=0.6)
+    ax.set_xlabel("general held-out Δloss (forgetting)")
+    ax.set_ylabel("domain held-out Δloss (gain: lower is better)")
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    _save(fig, path)
+
+
 def plot_diagnosis(path, p_task: List[float], task_particle: int, js: List[float], delta_js: List[Optional[float]],
                    importance: Optional[List[float]], title: str, boundary: Optional[int] = None):
     """LayerTracer's views of one model on a shared layer axis: task probability P̄_t(i) (task

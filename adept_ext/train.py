@@ -28,7 +28,7 @@ from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
-from . import data, harness, parallel
+from . import data, harness, held, merge_back, parallel
 from .errors import InputError, RunError
 from .lens import Diagnosis, diagnose
 from .data.packing import packed_view
@@ -39,8 +39,8 @@ from .methods import create, method_names
 from .methods.base import option
 from .methods.freeze_deep import DIAGNOSIS_TASKS
 from .lm_loss import check_packing, loss_path
-from .models import load_model
-from .report import plot_loss_curves
+from .models import load_model, to_device
+from .report import plot_loss_curves, plot_merge_front
 from .training import drift
 from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
                        check_memory, check_out, data_workers, device_for, evaluate, fit_task, held_as_frozen,
@@ -80,6 +80,19 @@ class RunOptions(BenchmarkOptions, TrainOptions):
     streaming: bool = option(False, help=(
         "read the corpora as streams through Hugging Face datasets: corpus order, no cache, only what the run "
         "consumes is read (for corpora too large to tokenise up front)"))
+    merge_back: str = option("", help=(
+        "after training, move every weight the run changed back toward where it started, θ₀ + α·(θ − θ₀) "
+        "(model averaging with the start; θ₀ the base weight, a LoRA's base layer, an expansion's "
+        "function-preserving copy): α in [0, 1] (0: the start, 1: the trained model), or `auto`: the largest α "
+        "of 0, 0.1, …, 1 whose general held-out loss rises at most --max-forgetting above the base's, the front "
+        "(α → general and domain Δloss) in report.json and merge_back.png; the final evaluation, benchmarks and "
+        "saved model are the merged one; default: off"))
+    merge_back_schedule: str = option("uniform", help=(
+        "with --merge-back: `uniform` (one α for every weight) or `lines` (LiNeS: α grows linearly with depth "
+        "from --merge-back-min at the embeddings and the first layer to α at the last layer and the head)"))
+    merge_back_min: float = option(0.0, help="with --merge-back and --merge-back-schedule lines: α of the bottom")
+    max_forgetting: float = option(0.0, help=(
+        "with --merge-back auto: the general held-out Δloss from the base the chosen α may reach (nats)"))
 
 
 def run_config_class() -> type:
@@ -118,9 +131,46 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
         raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
     if cfg.domain_eval and not (cfg.domain_eval in data.BUILTIN_CORPORA or Path(cfg.domain_eval).exists()):
         raise RunError(f"--domain-eval {cfg.domain_eval}: no such file or folder")
+    check_merge_back(cfg, given)
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     return cfg
+
+
+def merge_back_alpha(cfg) -> Optional[float]:
+    """--merge-back's α (None: auto, or off)."""
+    return None if cfg.merge_back in ("", "auto") else float(cfg.merge_back)
+
+
+def check_merge_back(cfg, given: Collection[str]):
+    """RunError for --merge-back options that do not fit: α outside [0, 1], an unknown schedule, a
+    bottom α above α, or its companions without it (`auto`'s bound without auto)."""
+    if cfg.merge_back not in ("", "auto"):
+        try:
+            alpha = float(cfg.merge_back)
+        except ValueError:
+            alpha = math.nan
+        if not 0 <= alpha <= 1:
+            raise RunError(f"merge_back must be a number in [0, 1] or auto, got {cfg.merge_back!r}")
+    if cfg.merge_back_schedule not in merge_back.SCHEDULES:
+        raise RunError(f"merge_back_schedule must be one of {', '.join(merge_back.SCHEDULES)}, "
+                       f"got {cfg.merge_back_schedule!r}")
+    if not 0 <= cfg.merge_back_min <= 1:
+        raise RunError(f"merge_back_min must be in [0, 1], got {cfg.merge_back_min}")
+    if not math.isfinite(cfg.max_forgetting):
+        raise RunError(f"max_forgetting must be a finite number, got {cfg.max_forgetting}")
+    companions = [name for name in ("merge_back_schedule", "merge_back_min", "max_forgetting")
+                  if name in given or getattr(cfg, name) != getattr(RunOptions, name)]
+    if companions and not cfg.merge_back:
+        raise RunError(f"--{companions[0].replace('_', '-')} needs --merge-back")
+    if (cfg.max_forgetting or "max_forgetting" in given) and cfg.merge_back != "auto":
+        raise RunError("--max-forgetting bounds the choice of --merge-back auto: it needs --merge-back auto")
+    if cfg.merge_back_min and cfg.merge_back_schedule != "lines":
+        raise RunError("--merge-back-min is the bottom α of --merge-back-schedule lines: it needs that schedule")
+    alpha = merge_back_alpha(cfg)
+    if cfg.merge_back_schedule == "lines" and alpha is not None and alpha < cfg.merge_back_min:
+        raise RunError(f"--merge-back {alpha} is below --merge-back-min {cfg.merge_back_min}: LiNeS keeps the bottom "
+                       "closest to the start")
 
 
 def domain_sources(cfg) -> Tuple[List[str], List[float]]:
@@ -275,6 +325,8 @@ class _RunHooks(TaskHooks):
 
     def prepared(self, task, n_trainable):
         self.model, self.task = task.model, task
+        if self.cfg.merge_back:  # θ₀ before any step (a resumed task is prepared anew: the same start)
+            self.merge_start = merge_back.start_weights(task.model)
         total = sum(p.numel() for p in self.model.parameters())
         self.stage("prepare", layers=task.layers, trainable_parameters=n_trainable,
                    trainable_fraction=n_trainable / total)
@@ -299,11 +351,47 @@ class _RunHooks(TaskHooks):
         self.stage("final_eval", **self.final)
 
     def unsharded(self, step):
+        if self.cfg.merge_back:  # scored on the merged model instead (`merged_back`)
+            return
         self.final_benchmarks = harness.for_run(self.cfg, self.model, self.tokenizer,
                                                 self.out / "benchmark_samples_final.jsonl", self.tracker, step,
                                                 "final", self.log)
         if self.final_benchmarks:
             self.stage("final_benchmarks")
+
+
+def merged_back(cfg, model, hooks, step: int, out: Optional[Path], log) -> Tuple[Dict, Dict]:
+    """--merge-back on the finished `model` (`merge_back.MergeBack` from the start the task was prepared
+    from): the held-out losses at each α (`merge_back.GRID` for auto, else the one given), the model left
+    at the chosen α (auto: `merge_back.choose_alpha`), its evaluation as the run's final one (KL to the
+    base included). Returns (that evaluation, report.json's "merge_back": the choice, the front with its
+    Δloss from the base, the trained model's evaluation, the merge's seconds per α); merge_back.png in `out`."""
+    merger = merge_back.MergeBack(model, hooks.merge_start)
+    fixed = merge_back_alpha(cfg)
+    grid = [fixed] if fixed is not None else [a for a in merge_back.GRID if a >= cfg.merge_back_min]
+    front, seconds = [], []
+    for alpha in grid:
+        started = time.perf_counter()
+        merger.set(alpha, cfg.merge_back_schedule, cfg.merge_back_min)
+        seconds.append(time.perf_counter() - started)
+        losses = {name: evaluate(model, batches, hooks.device, f"eval {name.split('_')[0]} (α={alpha:g})",
+                                 hooks.progress, cfg.loss_implementation)
+                  for name, batches in (("general_loss", hooks.corpora.general_eval),
+                                        ("domain_loss", hooks.corpora.domain_eval))}
+        front.append({"alpha": alpha, **losses, "general_delta": losses["general_loss"] - hooks.base["general_loss"],
+                      "domain_delta": losses["domain_loss"] - hooks.base["domain_loss"]})
+    chosen = fixed if fixed is not None else merge_back.choose_alpha(front, cfg.max_forgetting)
+    merger.set(chosen, cfg.merge_back_schedule, cfg.merge_back_min)
+    final = hooks.evaluate(step, f" (merged back, α={chosen:g})", group="merged")
+    log(f"merged back toward the start at α = {chosen:g} ({cfg.merge_back_schedule}): general loss "
+        f"{final['general_loss']:.4f}, domain loss {final['domain_loss']:.4f} (trained: "
+        f"{hooks.final['general_loss']:.4f}, {hooks.final['domain_loss']:.4f})")
+    if out is not None and len(front) > 1:
+        plot_merge_front(front, chosen, out / "merge_back.png",
+                         title=f"{cfg.method}: merging back ({cfg.merge_back_schedule})")
+    return final, {"alpha": chosen, "schedule": cfg.merge_back_schedule, "alpha_min": cfg.merge_back_min,
+                   **({"max_forgetting": cfg.max_forgetting} if fixed is None else {}), "front": front,
+                   "trained": hooks.final, "merge_seconds_per_alpha": round(sum(seconds) / len(seconds), 3)}
 
 
 def evaluated_held(cfg, bf16: bool) -> Optional[str]:
@@ -370,12 +458,19 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
                        checkpoint=checkpoint, hooks=hooks, artifacts=out if main else None, report=report,
                        tracker=tracker, progress=progress, log=log,
                        to_host=hold is not None or cfg.frozen_dtype == "nf4")  # merged and saved on the host
-        final_benchmarks = hooks.final_benchmarks
+        final, final_benchmarks, model = hooks.final, hooks.final_benchmarks, fit["model"]
+        if cfg.merge_back:
+            if hold is not None or cfg.frozen_dtype == "nf4":  # finished on the host: on the device, held, to score
+                to_device(model, device, torch.float32, hold)
+            final, report["merge_back"] = merged_back(cfg, model, hooks, fit["step"], out if main else None, log)
+            final_benchmarks = harness.for_run(cfg, model, tokenizer, out / "benchmark_samples_final.jsonl", tracker,
+                                               fit["step"], "final", log)
+            held.export_exact(model)  # saved exact, from the host
     finally:
         tracker.close()
-    task, final, n_trainable = fit["task"], hooks.final, fit["trainable"]
+    task, n_trainable = fit["task"], fit["trainable"]
     if main:
-        atomic_dir(out / "model", lambda tmp: (fit["model"].save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        atomic_dir(out / "model", lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
         plot_loss_curves(history, base, out / "loss_curves.png", title=f"{cfg.method}: training and held-out loss")
     hooks.stage("save")
 
@@ -435,6 +530,16 @@ def markdown_report(report: Dict) -> str:
                   f"optimizer {estimate['optimizer']}, activations {estimate['activations']}); the measured peak "
                   "is the process's resident set on the CPU (Python and its libraries included), allocated memory "
                   "on a GPU."]
+    if "merge_back" in report:
+        mb = report["merge_back"]
+        lines += ["", f"Merged back toward the start at α = {mb['alpha']:g} ({mb['schedule']}"
+                      + (f", bottom α {mb['alpha_min']:g}" if mb["schedule"] == "lines" else "")
+                      + (f"; chosen by auto as the largest α whose general Δloss is at most {mb['max_forgetting']:g}"
+                         if "max_forgetting" in mb else "") + "): the final row is the merged model; trained "
+                      f"(α = 1 before finishing): general {mb['trained']['general_loss']:.4f}, domain "
+                      f"{mb['trained']['domain_loss']:.4f}.", "", "| α | general Δloss | domain Δloss |",
+                  "|---|---|---|",
+                  *(f"| {p['alpha']:g} | {p['general_delta']:+.4f} | {p['domain_delta']:+.4f} |" for p in mb["front"])]
     if "unit_rates" in report:
         lines += ["", f"Per-unit learning-rate multipliers (mean {report['unit_rates']['mean_multiplier']:.3f}, "
                       f"{report['unit_rates']['recomputes']} recomputes): see `unit_rates.png`."]

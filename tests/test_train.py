@@ -284,6 +284,10 @@ OPTIONS = {
     "compile": Opt(True),
     "probe_blocks": Opt(2, 0, "probe_blocks must be >= 1"),
     "drift_tokens": Opt(64, -1, "drift_tokens must be >= 0"),
+    "merge_back": Opt("auto", "1.5", "merge_back must be a number in [0, 1] or auto"),
+    "merge_back_schedule": Opt(None, "lines", "--merge-back-schedule needs --merge-back"),  # alone it is refused
+    "merge_back_min": Opt(None, 0.5, "--merge-back-min needs --merge-back"),
+    "max_forgetting": Opt(None, 0.01, "--max-forgetting needs --merge-back"),
     "eval_blocks": Opt(2, 0, "eval_blocks must be >= 1"),
     "save_every": Opt(5, -1, "save_every must be >= 0"),
     "recompute_every": Opt(5, 0, "recompute_every must be >= 1"),
