@@ -1,4 +1,4 @@
-"""Merging back toward the start (docs/methods.md, "Merging back"): after a task, every weight the
+"""Merging back toward the start (docs/methods.md §7): after a task, every weight the
 task changed is moved back along its change,
 
     θ(α) = θ₀ + α_l · (θ − θ₀)

@@ -200,7 +200,7 @@ def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, monkeypat
     first, second = spy.tasks
     if method in ("seq_full", "replay"):  # every parameter trains
         assert not first.frozen and not second.frozen, (sorted(first.frozen)[:3], sorted(second.frozen)[:3])
-    if method in ("seq_lora", "o_lora", "osf", "deal", "eoupct"):  # merged: only the adapted projections moved
+    if method in ("seq_lora", "o_lora", "osf", "deal", "eoupct", "ewc"):  # merged: only the adapted projections moved
         targets = ("gate_proj",) if method == "eoupct" else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj")
         changed = changed_tensors(model, base)
@@ -215,6 +215,10 @@ def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, monkeypat
         assert first.penalties and all(terms == [] for terms in first.penalties), first.penalties
         assert second.penalties and all(len(terms) == 1 and terms[0] > 0 for terms in second.penalties), \
             second.penalties
+    if method == "ewc":  # no Fisher in task 1, a positive penalty in task 2 (once its adapter moved)
+        assert first.penalties and all(terms == [] for terms in first.penalties), first.penalties
+        assert second.penalties[-1] and second.penalties[-1][0] > 0, second.penalties
+        assert all(0 < t["ewc"]["fisher_rows"] <= 64 for t in report["per_task"]), report["per_task"]
     if method == "deal":  # task 2 filters and updates task 1's factors: those parameters move, their penalty > 0
         assert second.notes["deal_moved"] and all(second.notes["deal_moved"]), second.notes["deal_moved"]
         assert second.penalties and all(len(terms) == 2 and terms[1] > 0 for terms in second.penalties), \
@@ -287,7 +291,7 @@ REPLAY_EVERY_OPTION = dict(replay_base="lora", replay_ratio=0.5, replay_select="
 
 
 @pytest.mark.parametrize("method,extra", [(m, {}) for m in ("seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal",
-                                                             "per_task")] + [("replay", REPLAY_EVERY_OPTION)],
+                                                             "per_task", "ewc")] + [("replay", REPLAY_EVERY_OPTION)],
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace, monkeypatch, method, extra):
     full = run(options(workspace, f"whole-{method}", method=method, steps=4, **extra), progress=False, log=quiet)
