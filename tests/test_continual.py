@@ -200,7 +200,7 @@ def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, monkeypat
     first, second = spy.tasks
     if method in ("seq_full", "replay"):  # every parameter trains
         assert not first.frozen and not second.frozen, (sorted(first.frozen)[:3], sorted(second.frozen)[:3])
-    if method in ("seq_lora", "o_lora", "osf", "deal", "eoupct", "ewc", "lwf"):  # merged: the adapted projections
+    if method in ("seq_lora", "o_lora", "osf", "deal", "eoupct", "ewc", "lwf", "agem"):  # merged: adapted projections
         targets = ("gate_proj",) if method == "eoupct" else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj")
         changed = changed_tensors(model, base)
@@ -219,6 +219,9 @@ def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, monkeypat
         assert first.penalties and all(terms == [] for terms in first.penalties), first.penalties
         assert second.penalties[-1] and second.penalties[-1][0] > 0, second.penalties
         assert all(0 < t["ewc"]["fisher_rows"] <= 64 for t in report["per_task"]), report["per_task"]
+    if method == "agem":  # task 2's steps are checked against the buffer of task 1
+        assert "agem" not in report["per_task"][0]
+        assert report["per_task"][1]["agem"]["steps"] == report["config"]["steps"]
     if method == "deal":  # task 2 filters and updates task 1's factors: those parameters move, their penalty > 0
         assert second.notes["deal_moved"] and all(second.notes["deal_moved"]), second.notes["deal_moved"]
         assert second.penalties and all(len(terms) == 2 and terms[1] > 0 for terms in second.penalties), \
@@ -290,7 +293,7 @@ REPLAY_EVERY_OPTION = dict(replay_base="lora", replay_ratio=0.5, replay_select="
                            replay_distill_top_k=5, answer_loss="label_space", ema_decay=0.5)
 
 
-RESUMED = ("seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task", "ewc", "lwf")
+RESUMED = ("seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task", "ewc", "lwf", "agem")
 
 
 @pytest.mark.parametrize("method,extra", [(m, {}) for m in RESUMED] + [("replay", REPLAY_EVERY_OPTION)],

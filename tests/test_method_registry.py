@@ -69,7 +69,7 @@ def test_a_method_in_one_file_is_offered_everywhere(throw_away, recorded, tmp_pa
         main(["continual", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--throw-away-strength FLOAT throw_away: how hard the throw-away method throws (default: 0.25)" in text
-    assert "seq_lora, o_lora, per_task, throw_away: LoRA rank" in text  # the shared option lists it too
+    assert "seq_lora, o_lora, per_task, lwf, agem, throw_away: LoRA rank" in text  # the shared option lists it too
     assert "| `--throw-away-strength` | `0.25` | throw_away: how hard the throw-away method throws |" in \
         options_table("continual")
 
