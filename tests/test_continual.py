@@ -326,6 +326,24 @@ def test_kill_inside_the_second_task_and_resume_gives_the_same_result(workspace,
         assert [t["replay"]["replayed_rows"] for t in full["per_task"]] == [0, 4]
 
 
+@pytest.mark.parametrize("method", ["seq_lora", "seq_full"])
+def test_freeze_bottom_keeps_the_embeddings_and_bottom_layers_from_the_second_task_on(workspace, monkeypatch,
+                                                                                        method):
+    spy = TaskSpy(monkeypatch)
+    run(options(workspace, f"bottom-{method}", method=method, freeze_bottom=2), progress=False, log=quiet)
+    first, second = spy.tasks
+    bottom = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")
+    from adept_ext.merge_back import finished_name as plain  # the name in the merged model
+    assert any(plain(n).startswith(bottom) for n in first.names) or method == "seq_lora"  # LoRA: not embeddings
+    assert 0 in first.layers() or any("layers.0." in n for n in first.names)
+    assert not any(plain(n).startswith(bottom) for n in second.names), second.names
+    assert any("layers.3." in n for n in second.names) and not second.frozen_changed
+    saved = AutoModelForCausalLM.from_pretrained(workspace / f"bottom-{method}" / "model").state_dict()
+    kept = {plain(n): v for n, v in second.frozen.items() if plain(n).startswith(bottom)}  # after task 1
+    assert kept and all(torch.equal(saved[n], v) for n, v in kept.items())
+    assert not second.unchanged()  # the layers above trained
+
+
 def test_builtin_sequence_tasks(workspace):
     tokenizer = load_model(workspace / "tiny")[1]
     tasks = load_tasks("builtin", tokenizer, 64, 0)
@@ -393,6 +411,7 @@ def test_replay_mixes_views_into_the_blocks_the_tensor_mixture_gave(workspace):
     (dict(method="adept"), "does not learn task sequences"),
     (dict(method="magic"), "unknown method"),
     (dict(replay_fraction=0.0, method="replay"), "replay_fraction must be in"),
+    (dict(freeze_bottom=4, method="seq_lora"), "freeze_bottom 4 leaves no layer of the model's 4"),
     (dict(o_lora_lambda=-1.0, method="o_lora"), "o_lora_lambda must be >= 0"),
     (dict(deal_a=1.0, method="deal"), "deal_a >= deal_b >= 1 is needed"),
     (dict(eoupct_tau=0.0, method="eoupct"), "eoupct_tau must be > 0"),

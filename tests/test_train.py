@@ -336,6 +336,7 @@ OPTIONS = {
     "lwf_alpha": Opt(0.25, 1.0, "lwf_alpha must be in [0, 1)"),
     "lwf_temperature": Opt(1.0, 0.0, "lwf_temperature must be > 0"),
     "agem_batch": Opt(4, 0, "agem_batch must be >= 1"),
+    "freeze_bottom": Opt(1, -1, "freeze_bottom must be >= 0"),
     "replay_temperature": Opt(0.7, 0.0, "replay_temperature must be > 0"),
     "label_replay": Opt(True),
     "o_lora_lambda": Opt(1.0, -1.0, "o_lora_lambda must be >= 0"),

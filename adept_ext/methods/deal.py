@@ -388,7 +388,7 @@ class Deal(SeqLora):
         config = self.config
         filter_cls = WaveletFilter if config.filter == "wavelet" else HaarFilter
         r, m = len(next(iter(self.factors.values()))[0]), config.new_rank  # the kept factors' rank, the fresh one's
-        self.peft_model = add_lora(model, 2 * r + m)  # scaling 2 as at rank r
+        self.peft_model = add_lora(model, 2 * r + m, self.first_layer(ctx))  # scaling 2 as at rank r
         self.retain, self.updates, self.fresh = [], [], []
         for name, layer in lora_adapters(model):
             a0, b0 = (f.to(layer.lora_A["default"].weight) for f in self.factors[name])
@@ -416,7 +416,7 @@ class Deal(SeqLora):
         """Task t >= 2 of the public code's variant: lora_A = Haar2dFilter(A) (A from the last task,
         trainable), lora_B = task 1's B (frozen), a fresh ActivationMLP on lora_A's output."""
         r = len(next(iter(self.factors.values()))[0])
-        self.peft_model = add_lora(model, r)
+        self.peft_model = add_lora(model, r, self.first_layer(ctx))
         a_params, self.retain, self.updates, self.mlps = [], [], [], {}
         for name, layer in lora_adapters(model):
             lora_a, lora_b = layer.lora_A["default"], layer.lora_B["default"]

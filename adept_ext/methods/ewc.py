@@ -39,6 +39,8 @@ class EwcConfig(MethodConfig):
     base: str = option("lora", "ewc_base", help=(
         "on seq_lora's adapted projections (lora) or every weight of seq_full (full)"))
     rank: int = option(8, "lora_rank", help="LoRA rank of the seq_lora base (ewc_base lora)")
+    freeze_bottom: int = option(0, "freeze_bottom", help=(
+        "after the first task, the embeddings and the decoder layers below this one do not train (either base)"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,7 +51,9 @@ class EwcConfig(MethodConfig):
         self.base_config()
 
     def base_config(self):
-        return SeqLoraConfig(rank=self.rank) if self.base == "lora" else SeqFullConfig()
+        if self.base == "lora":
+            return SeqLoraConfig(rank=self.rank, freeze_bottom=self.freeze_bottom)
+        return SeqFullConfig(freeze_bottom=self.freeze_bottom)
 
 
 @register
@@ -68,6 +72,9 @@ class Ewc(Method):
         self.fisher: Dict[str, torch.Tensor] = {}  # finished weight name -> F (float32, host until a task moves it)
         self.anchor: Dict[str, torch.Tensor] = {}  # ewc_base full: w* by name
         self.rows, self.tasks = None, 0
+
+    def check(self, model):
+        self.base.check(model)
 
     def prepare(self, model, ctx, layers=None):
         setup = self.base.prepare(model, ctx, layers)

@@ -11,6 +11,7 @@ import torch
 
 from ..models import adapter
 from .base import Method, MethodConfig, Setup, option, register
+from .full import check_freeze_bottom
 
 
 def target_modules(model):
@@ -18,12 +19,18 @@ def target_modules(model):
     return list(adapter(model).family.lora_targets)
 
 
-def add_lora(model, r: int):
-    """`model` wrapped by PEFT with a fresh LoRA adapter of rank r on `target_modules(model)`:
-    alpha = 2r (scaling 2 at every rank), no dropout, PEFT's init (B = 0: the output is unchanged)."""
+def add_lora(model, r: int, first_layer: int = 0):
+    """`model` wrapped by PEFT with a fresh LoRA adapter of rank r on `target_modules(model)` (of the
+    decoder layers from `first_layer` on, named one by one, when it is not 0): alpha = 2r (scaling 2 at
+    every rank), no dropout, PEFT's init (B = 0: the output is unchanged)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=target_modules(model))
+    targets = target_modules(model)
+    if first_layer:
+        names = {id(m): name for name, m in model.named_modules()}
+        targets = [names[id(m)] for layer in adapter(model).layers[first_layer:] for part, m in layer.named_modules()
+                   if part.rsplit(".", 1)[-1] in targets]
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets)
     return get_peft_model(model, config)
 
 
@@ -58,7 +65,16 @@ class LoraMethodConfig(MethodConfig):
 
 @dataclass(kw_only=True)
 class SeqLoraConfig(LoraMethodConfig):
+    """The rank, and the bottom layers that get no adapter after the first task."""
+
     method: ClassVar[str] = "seq_lora"
+    freeze_bottom: int = option(0, "freeze_bottom", help=(
+        "after the first task, the embeddings and the decoder layers below this one get no adapter: they keep "
+        "what the first task left (Spurious Forgetting's freezing of the bottom layers; 0: every layer adapts)"))
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.require("freeze_bottom", self.freeze_bottom >= 0, "must be >= 0")
 
 
 @register
@@ -71,13 +87,22 @@ class Lora(Method):
         super().__init__(config)
         self.peft_model = None
 
+    def check(self, model):
+        check_freeze_bottom(getattr(self.config, "freeze_bottom", 0), model)
+
+    def first_layer(self, ctx) -> int:
+        """The first decoder layer the task's adapter covers: --freeze-bottom from the second task on."""
+        return getattr(self.config, "freeze_bottom", 0) if ctx.task_index else 0
+
     def prepare(self, model, ctx, layers=None) -> Setup:
         r = self.config.rank
         targets = target_modules(model)
-        self.peft_model = add_lora(model, r)
+        bottom = self.first_layer(ctx)
+        self.peft_model = add_lora(model, r, bottom)
         trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
         return Setup(trainable, self.groups(trainable, ctx), [],
-                     f"trains rank-{r} LoRA adapters on {', '.join(targets)}")
+                     f"trains rank-{r} LoRA adapters on {', '.join(targets)}"
+                     + (f" of layers {bottom} and up" if bottom else ""))
 
     def end_task(self, model, out, report: Dict):
         """Merge the adapter into the weights: a plain model again."""

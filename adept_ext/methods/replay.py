@@ -94,6 +94,8 @@ class ReplayConfig(MethodConfig):
         "answer tokens, so it does not push them down)"))
     base: str = option("full", "replay_base", help="on top of seq_full (full) or seq_lora (lora)")
     rank: int = option(8, "lora_rank", help="LoRA rank of the seq_lora base (replay_base lora)")
+    freeze_bottom: int = option(0, "freeze_bottom", help=(
+        "after the first task, the embeddings and the decoder layers below this one do not train (either base)"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -116,7 +118,9 @@ class ReplayConfig(MethodConfig):
 
     def base_config(self):
         """The config of the method the buffer is mixed into."""
-        return SeqLoraConfig(rank=self.rank) if self.base == "lora" else SeqFullConfig()
+        if self.base == "lora":
+            return SeqLoraConfig(rank=self.rank, freeze_bottom=self.freeze_bottom)
+        return SeqFullConfig(freeze_bottom=self.freeze_bottom)
 
 
 @register
@@ -144,6 +148,9 @@ class Replay(Method):
         self.replayed = 0  # buffer rows the current task's losses saw (a device tensor once counted)
         self.fast, self.slow, self.handles = [], [], []  # ema_decay: the trained weights, their slow copy, hook
         self.ema_steps = 0  # the slow copy's updates in this task
+
+    def check(self, model):
+        self.base.check(model)
 
     def prepare(self, model, ctx, layers=None):
         self.seed, self.task_index, self.replayed, self.progress = ctx.seed, ctx.task_index, 0, ctx.progress
