@@ -200,7 +200,7 @@ def test_every_continual_method_runs_and_keeps_frozen_parts(workspace, monkeypat
     first, second = spy.tasks
     if method in ("seq_full", "replay"):  # every parameter trains
         assert not first.frozen and not second.frozen, (sorted(first.frozen)[:3], sorted(second.frozen)[:3])
-    if method in ("seq_lora", "o_lora", "osf", "deal", "eoupct", "ewc", "lwf", "agem"):  # merged: adapted projections
+    if method in ("seq_lora", "o_lora", "osf", "deal", "eoupct", "ewc", "lwf", "agem", "merge_tasks"):  # merged
         targets = ("gate_proj",) if method == "eoupct" else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj")
         changed = changed_tensors(model, base)
@@ -293,7 +293,7 @@ REPLAY_EVERY_OPTION = dict(replay_base="lora", replay_ratio=0.5, replay_select="
                            replay_distill_top_k=5, answer_loss="label_space", ema_decay=0.5)
 
 
-RESUMED = ("seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task", "ewc", "lwf", "agem")
+RESUMED = ("seq_lora", "adept_seq", "o_lora", "osf", "eoupct", "deal", "per_task", "ewc", "lwf", "agem", "merge_tasks")
 
 
 @pytest.mark.parametrize("method,extra", [(m, {}) for m in RESUMED] + [("replay", REPLAY_EVERY_OPTION)],

@@ -84,6 +84,7 @@ FLAT = {
     "eoupct_where": "grad", "eoupct_target": "logits", "eoupct_directions": 2, "eoupct_memory": "gpm",
     "ewc_lambda": 5.0, "ewc_gamma": 0.5, "ewc_samples": 4, "ewc_base": "full", "lwf_alpha": 0.25,
     "lwf_temperature": 1.5, "agem_batch": 2, "freeze_bottom": 1,
+    "merge_tasks_combination": "dare_linear", "merge_tasks_density": 0.3, "merge_tasks_weight": 0.7,
 }
 PARSED = {"layers": [1, 5]}
 # Options whose non-default value refuses some of FLAT's (deal_variant public_code: the paper's filter options).

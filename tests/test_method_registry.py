@@ -1,6 +1,7 @@
 """A method is one file: a method defined under tmp_path, and nothing else edited, is offered by
 `adept-ext continual` (flag, help, TOML key, run.json, the docs/cli.md table), gets its option, and
 its option is refused with another method."""
+import re
 import importlib.util
 import json
 
@@ -69,7 +70,7 @@ def test_a_method_in_one_file_is_offered_everywhere(throw_away, recorded, tmp_pa
         main(["continual", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--throw-away-strength FLOAT throw_away: how hard the throw-away method throws (default: 0.25)" in text
-    assert "seq_lora, o_lora, per_task, lwf, agem, throw_away: LoRA rank" in text  # the shared option lists it too
+    assert re.search(r"seq_lora, o_lora, [a-z_, ]*throw_away: LoRA rank", text)  # the shared option lists it too
     assert "| `--throw-away-strength` | `0.25` | throw_away: how hard the throw-away method throws |" in \
         options_table("continual")
 
