@@ -2,10 +2,10 @@
 computed directly with Hugging Face's own loss on the step's buffer rows."""
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext import data
 from adept_ext.methods import AgemConfig, Context, get_method
-from tiny_models import padded_batches, tiny_model
 
 
 def method_with_a_buffer(seed):

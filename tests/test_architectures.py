@@ -6,6 +6,8 @@ import re
 
 import pytest
 import torch
+from test_units import naive_unit_scores
+from tiny_models import ARCHS, MOE, padded_batches, tiny_model
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import adept_ext
@@ -14,8 +16,6 @@ from adept_ext.methods import AdeptConfig, LlamaProConfig, LoraMethodConfig, Seq
 from adept_ext.methods.lora import lora_adapters
 from adept_ext.models import REFUSED_ARCHITECTURES, adapter, family_of, load_model
 from adept_ext.units import UnitImportance
-from test_units import naive_unit_scores
-from tiny_models import ARCHS, MOE, padded_batches, tiny_model
 
 METHODS = {"adept": AdeptConfig(k=1), "lora": LoraMethodConfig(rank=2), "llama_pro": LlamaProConfig(k=1),
            "seq_lora": SeqLoraConfig(rank=2)}

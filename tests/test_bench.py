@@ -274,8 +274,9 @@ def test_lr_steps_two_optimizers_on_the_same_gradients_and_reports_their_largest
     same weights (difference 0 on the CPU); a planted different optimizer (another lr) shows."""
     import copy
 
-    from adept_ext.optim import GroupedAdamW
     from bench import lr
+
+    from adept_ext.optim import GroupedAdamW
 
     model = tiny_llama()
     other = copy.deepcopy(model)

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext.errors import InputError
 from adept_ext.training.checkpoint import load_training_state, read_checkpoint
-from tiny_models import padded_batches, tiny_model
 
 
 def _forbid_unpickling():

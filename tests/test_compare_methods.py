@@ -8,6 +8,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import compare_methods  # noqa: E402
+
 from adept_ext.train import config_from  # noqa: E402
 from adept_ext.training import result_options  # noqa: E402
 

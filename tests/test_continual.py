@@ -7,17 +7,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from method_spy import TaskSpy, changed_tensors
+from tiny_models import tiny_model, write_sequence_workspace
 from transformers import AutoModelForCausalLM
 
 from adept_ext import data
 from adept_ext.cli import main
 from adept_ext.continual import config_from, metrics, run
-from adept_ext.methods import Context, create, method_names
-from adept_ext.models import load_model
 from adept_ext.data.tasks import answer_scores, instruction_blocks, load_tasks
 from adept_ext.errors import RunError
-from method_spy import TaskSpy, changed_tensors
-from tiny_models import tiny_model, write_sequence_workspace
+from adept_ext.methods import Context, create, method_names
+from adept_ext.models import load_model
 
 SEQUENCE_METHODS = method_names(sequence=True)
 

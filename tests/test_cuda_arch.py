@@ -4,8 +4,8 @@ import torch
 
 import adept_ext
 from adept_ext import _cuda_arch, ops
-from adept_ext.ops import checks
 from adept_ext._cuda_arch import choose_arch_list, parse_arch_list, runs_on
+from adept_ext.ops import checks
 
 
 def test_choose_respects_the_users_setting():

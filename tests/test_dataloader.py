@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_continual import options as continual_options
+from test_continual import quiet
+from test_continual import workspace as continual_workspace  # noqa: F401 (module-scoped fixture)
+from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
 
 import adept_ext.training.loop as loop_module
 from adept_ext import data
 from adept_ext.training.loader import batch_loader, micro_batch_order
-from test_continual import options as continual_options, quiet
-from test_continual import workspace as continual_workspace  # noqa: F401 (module-scoped fixture)
-from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
 
 
 def indexed(n, steps, grad_accum, world, rank, start=0):

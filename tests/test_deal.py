@@ -6,13 +6,13 @@ import re
 import pytest
 import torch
 from peft import PeftModel
+from test_continual import options, quiet, workspace  # noqa: F401 (the module-scoped workspace fixture)
+from tiny_models import padded_batches, tiny_model
 from transformers import AutoModelForCausalLM
 
 from adept_ext.continual import config_from, run
 from adept_ext.methods import Context, DealConfig, MethodError, get_method
 from adept_ext.methods.lora import lora_adapters
-from test_continual import options, quiet, workspace  # noqa: F401 (the module-scoped workspace fixture)
-from tiny_models import padded_batches, tiny_model
 
 
 def logits(model, batches):
@@ -278,9 +278,9 @@ def test_public_code_finish_saves_the_adapter_and_reloads_to_the_hooked_models_l
     model's logits, after task 1 (s·B·A x) and task 2 (the MLP on the activations)."""
     import json
 
+    from adept_ext import prepare
     from adept_ext.errors import InputError
     from adept_ext.methods.deal import ADAPTER_FILE, load_adapter
-    from adept_ext import prepare
 
     method = get_method(DealConfig(rank=4, variant="public_code"))
     model, batches, base = tiny_model("llama", layers=2), padded_batches(), tiny_model("llama", layers=2)

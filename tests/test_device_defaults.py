@@ -1,11 +1,10 @@
 """Defaults chosen by the device: linear_cross_entropy's chunk and the probe's layer-call size."""
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext import linear_cross_entropy, ops, probe, reference
-from adept_ext.ops import cross_entropy
-from adept_ext.ops import GPU_MIN_CHUNK_ROWS, default_chunk_rows
-from tiny_models import padded_batches, tiny_model
+from adept_ext.ops import GPU_MIN_CHUNK_ROWS, cross_entropy, default_chunk_rows
 
 
 def test_cpu_chunk_is_the_kernels_default():

@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tiny_models import padded_batches, save_whole_block_llama, tiny_model, write_run_workspace
 
 from adept_ext.lm_loss import next_token_loss
 from adept_ext.probe import layer_importance
-from tiny_models import padded_batches, save_whole_block_llama, tiny_model, write_run_workspace
 
 
 def _probe_worker(rank, world, init_file, result_file):
@@ -19,9 +19,8 @@ def _probe_worker(rank, world, init_file, result_file):
 
 
 def _step_loss_worker(rank, world, init_file, result_file):
-    from torch.nn.parallel import DistributedDataParallel
-
     from test_lm_loss import accumulated_step, uneven_rows
+    from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -3,9 +3,9 @@ import copy
 
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext.training import drift
-from tiny_models import padded_batches, tiny_model
 
 
 def direct_mean_kl(base, model, batches, tokens):

@@ -8,6 +8,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from method_spy import TaskSpy
+from test_continual import options, quiet, workspace  # noqa: F401  (the module-scoped workspace fixture)
+from tiny_models import padded_batches, tiny_model
 from transformers import AutoConfig
 
 from adept_ext.continual import ContinualConfig, run
@@ -15,9 +18,6 @@ from adept_ext.methods import Context, EoupCTConfig, MethodError, create, get_me
 from adept_ext.methods import eoupct as eoupct_module
 from adept_ext.methods.eoupct import EoupCT, student_targets
 from adept_ext.methods.lora import lora_adapters, target_modules
-from method_spy import TaskSpy
-from test_continual import options, quiet, workspace  # noqa: F401  (the module-scoped workspace fixture)
-from tiny_models import padded_batches, tiny_model
 
 STEPS = 4  # the task's optimizer steps (ctx.total_steps)
 

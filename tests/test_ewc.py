@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext import data
 from adept_ext.methods import Context, EwcConfig, get_method
-from tiny_models import padded_batches, tiny_model
 
 
 def rows():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from adept_ext import models
-from tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README, API = ROOT / "README.md", ROOT / "docs" / "api.md"

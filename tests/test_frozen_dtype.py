@@ -7,20 +7,20 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-import adept_ext.training.loop as loop
-from adept_ext.cli import main
-from adept_ext.errors import RunError
-from adept_ext.training.device import exact_host_bytes, hold_frozen, memory_estimate
 from test_continual import options as continual_options
 from test_continual import quiet
 from test_continual import workspace as continual_workspace  # noqa: F401 (module-scoped fixture)
 from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
+from tiny_models import assert_merged_into_exact
+from transformers import AutoModelForCausalLM
+
+import adept_ext.training.loop as loop
+from adept_ext.cli import main
 from adept_ext.continual import run as run_continual
+from adept_ext.errors import RunError
 from adept_ext.held import release as release_frozen
 from adept_ext.train import run
-from tiny_models import assert_merged_into_exact
+from adept_ext.training.device import exact_host_bytes, hold_frozen, memory_estimate
 
 
 @pytest.fixture
@@ -250,8 +250,9 @@ def test_a_model_loaded_held_is_exact_on_export_and_copies_its_exact_layers(work
 
 
 def test_held_assign_keeps_the_exact_value_and_rounds_the_held_copy():
-    from adept_ext import held
     from tiny_models import tiny_model
+
+    from adept_ext import held
 
     model = tiny_model("llama")
     p = model.model.norm.weight

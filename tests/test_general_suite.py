@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from tiny_models import write_run_workspace
 
 from adept_ext import general_suite, harness
-from tiny_models import write_run_workspace
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.tasks.hellaswag.utils import preprocess as hellaswag_preprocess  # noqa: E402

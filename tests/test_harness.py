@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_models import write_run_workspace
 
 from adept_ext import harness
 from adept_ext.errors import RunError
 from adept_ext.paired import paired_difference
-from tiny_models import write_run_workspace
 
 pytest.importorskip("lm_eval")
 
@@ -335,8 +335,9 @@ def test_continual_scores_the_base_model_and_every_nth_task(tmp_path, tiny):
     """`continual --benchmarks --benchmarks-every 2` on three tasks: the base model, the second and the last
     task's rows carry the scores, the first's not; report.md shows them beside the score matrix with the
     base-vs-last table; the score matrix is the one without benchmarks (the random states are kept)."""
-    from adept_ext.continual import config_from, run
     from tiny_models import write_sequence_workspace
+
+    from adept_ext.continual import config_from, run
 
     ws = write_sequence_workspace(tmp_path / "ws")
     folder, _ = write_tasks(tmp_path, *tiny)

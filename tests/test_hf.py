@@ -4,14 +4,14 @@ import weakref
 
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from adept_ext.expand import expand_layers
 import adept_ext
+from adept_ext.expand import expand_layers
 from adept_ext.hf import ADEPTCallback, MethodCallback
-from adept_ext.methods import AdeptConfig
 from adept_ext.lr import DecoupledLR, param_groups
-from tiny_models import padded_batches, tiny_model
+from adept_ext.methods import AdeptConfig
 
 
 def test_trainer_end_to_end(tmp_path):
@@ -315,10 +315,9 @@ def test_the_penalty_weighs_once_per_trainer_step_as_in_the_runners(tmp_path):
     """Under the Trainer with 8 accumulation steps on 2 gloo processes, O-LoRA's penalty weighs what it weighs in
     the runners' step (`Method.loss` over 8 micro-batches): 1 per optimizer step (the ranks' gradients averaged),
     not accumulation × processes."""
+    import torch.multiprocessing as mp
     from test_distributed import _free_port
     from test_o_lora import second_task
-
-    import torch.multiprocessing as mp
 
     model, method, task = second_task("fro2")
     weights = _record_penalty_weights(method)

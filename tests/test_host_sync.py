@@ -6,13 +6,13 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from conftest import DEVICES
+from tiny_models import write_run_workspace
 
 import adept_ext.training.loop as loop
 from adept_ext.data import check_labels
 from adept_ext.errors import InputError
 from adept_ext.train import config_from, run
-from conftest import DEVICES
-from tiny_models import write_run_workspace
 
 # A tensor's value read on the host: directly, by a copy to it, or by an op whose output's size
 # depends on the values (nonzero, indexing with a boolean mask: `masked_index`).

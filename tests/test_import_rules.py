@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
-
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "adept_ext"
 
 KERNELS, MECHANISMS, METHODS, TRAINING, RUNNERS, INTERFACE = range(6)

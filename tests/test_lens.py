@@ -3,12 +3,12 @@ import json
 
 import pytest
 import torch
+from tiny_models import ARCHS, padded_batches, tiny_model
 
 from adept_ext import reference
-from adept_ext.lens_inputs import context_query_task, fewshot_topic_task
 from adept_ext.lens import Diagnosis, allocate, diagnose, layer_sensitivity, logit_lens
+from adept_ext.lens_inputs import context_query_task, fewshot_topic_task
 from adept_ext.probe import layer_importance
-from tiny_models import ARCHS, padded_batches, tiny_model
 
 
 def composite_batches(context_len=5, seed=1):

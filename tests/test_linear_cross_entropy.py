@@ -4,12 +4,11 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cuda_only
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adept_ext import reference
-from adept_ext.ops import (cross_entropy, linear_cross_entropy, linear_cross_entropy_backward,
-                           linear_cross_entropy_sum)
-from conftest import cuda_only
+from adept_ext.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_backward, linear_cross_entropy_sum
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from tiny_models import write_run_workspace
 
 from adept_ext import harness, lm_eval_tasks
 from adept_ext.data.blocks import document_bos
 from adept_ext.data.tasks import answer_scores, instruction_blocks, load_task
-from tiny_models import write_run_workspace
 
 pytest.importorskip("lm_eval")
 

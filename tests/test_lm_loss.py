@@ -3,10 +3,10 @@ gradients on every supported architecture, tied and untied heads, padding; no fu
 heads it cannot reproduce go to Hugging Face's path, and say so."""
 import pytest
 import torch
+from tiny_models import ARCHS, padded_batches, tiny_model
 
 from adept_ext.errors import InputError
 from adept_ext.lm_loss import hf_head_reason, loss_path, next_token_loss, uses_fused_loss
-from tiny_models import ARCHS, padded_batches, tiny_model
 
 
 def grads_of(model, loss):

@@ -3,13 +3,13 @@ time (`models.load_model`): the same model, and the same run, as from a float32 
 same values, without a float32 copy of the whole model on the host."""
 import pytest
 import torch
+from test_continual import quiet
+from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
 from transformers import AutoModelForCausalLM
 
 import adept_ext.models as models
 from adept_ext.models import load_model
 from adept_ext.train import run
-from test_continual import quiet
-from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@ import copy
 
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext.methods import Context, LwfConfig, get_method
-from tiny_models import padded_batches, tiny_model
 
 
 @pytest.mark.parametrize("task_index", [0, 1])

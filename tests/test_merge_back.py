@@ -3,12 +3,12 @@ import json
 
 import pytest
 import torch
+from tiny_models import tiny_model, write_run_workspace
 from transformers import AutoModelForCausalLM
 
 from adept_ext import merge_back
 from adept_ext.errors import RunError
 from adept_ext.train import config_from, run
-from tiny_models import tiny_model, write_run_workspace
 
 
 def test_alpha_0_is_the_start_and_1_the_trained_model_bit_for_bit():

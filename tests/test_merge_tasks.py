@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from tiny_models import tiny_model
 
 from adept_ext.methods import Context, MergeTasksConfig, get_method
 from adept_ext.methods.lora import target_modules
-from tiny_models import tiny_model
 
 
 def trained_task(method, model, task_index, seed):

@@ -9,16 +9,35 @@ import types
 
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 import adept_ext.methods as methods
 from adept_ext.continual import ContinualConfig
-from adept_ext.methods import (REGISTRY, AdeptConfig, AdeptNoExpandConfig, AdeptSeqConfig, AdeptUniformLrConfig,
-                               Context, DealConfig, EoupCTConfig, FreezeDeepConfig, LlamaProConfig,
-                               LlamaProSeqConfig, LoraMethodConfig, MethodConfig, MethodError, OLoraConfig,
-                               OsfMethodConfig, PerTaskConfig, ReplayConfig, SeqLoraConfig, create, get_method)
+from adept_ext.methods import (
+    REGISTRY,
+    AdeptConfig,
+    AdeptNoExpandConfig,
+    AdeptSeqConfig,
+    AdeptUniformLrConfig,
+    Context,
+    DealConfig,
+    EoupCTConfig,
+    FreezeDeepConfig,
+    LlamaProConfig,
+    LlamaProSeqConfig,
+    LoraMethodConfig,
+    MethodConfig,
+    MethodError,
+    OLoraConfig,
+    OsfMethodConfig,
+    PerTaskConfig,
+    ReplayConfig,
+    SeqLoraConfig,
+    create,
+    get_method,
+)
 from adept_ext.methods.adept import LayerConfig
 from adept_ext.train import RunConfig
-from tiny_models import padded_batches, tiny_model
 
 NAMES = list(REGISTRY)
 CONFIGS = {name: cls.config_class for name, cls in REGISTRY.items()}

@@ -1,9 +1,9 @@
 """A method is one file: a method defined under tmp_path, and nothing else edited, is offered by
 `adept-ext continual` (flag, help, TOML key, run.json, the docs/cli.md table), gets its option, and
 its option is refused with another method."""
-import re
 import importlib.util
 import json
+import re
 
 import pytest
 

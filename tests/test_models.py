@@ -3,11 +3,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import ARCHS, tiny_model
 
 from adept_ext import models
-from adept_ext.models import (SUPPORTED_ARCHITECTURES, adapter, check_attention, family_of, load_model,
-                              resolve_attention)
-from tiny_models import ARCHS, tiny_model
+from adept_ext.models import SUPPORTED_ARCHITECTURES, adapter, check_attention, family_of, load_model, resolve_attention
 
 
 def test_embedded_default_loads_offline():

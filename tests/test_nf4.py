@@ -7,6 +7,10 @@ import json
 import bitsandbytes as bnb
 import pytest
 import torch
+from test_continual import kill_inside_the_second_task, quiet
+from test_continual import options as continual_options
+from test_train import killed_and_resumed, options
+from tiny_models import LORA_TARGETS, assert_merged_into_exact, save_whole_block_llama, write_sequence_workspace
 from transformers import AutoModelForCausalLM
 
 import adept_ext.training.loop as loop
@@ -15,11 +19,6 @@ from adept_ext.cli import main
 from adept_ext.continual import run as run_continual
 from adept_ext.train import run
 from adept_ext.training.device import held_as_frozen, memory_estimate
-from test_continual import kill_inside_the_second_task
-from test_continual import options as continual_options
-from test_continual import quiet
-from test_train import killed_and_resumed, options
-from tiny_models import LORA_TARGETS, assert_merged_into_exact, save_whole_block_llama, write_sequence_workspace
 
 # Fixed before the runs: a step's loss with 4-bit frozen weights may differ from float32's by this
 # much (relative) on the tiny random-weight model at lr 1e-3. Measured since: 0.0008 at the first step

@@ -2,11 +2,11 @@
 entrywise L1): its gradient against the analytic one, and what it does to a planted conflict."""
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 import adept_ext
 from adept_ext.methods import OLoraConfig
 from adept_ext.methods.lora import lora_adapters, subspace_overlap
-from tiny_models import padded_batches, tiny_model
 
 
 def second_task(penalty, lam=0.5):

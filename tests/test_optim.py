@@ -1,13 +1,13 @@
 """GroupedAdamW: torch.optim.AdamW's arithmetic over every param group at once."""
 import pytest
 import torch
+from conftest import cuda_only
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext.expand import expand_layers
 from adept_ext.lr import DecoupledLR, param_groups
 from adept_ext.optim import GroupedAdamW
 from adept_ext.units import UnitImportance
-from conftest import cuda_only
-from tiny_models import padded_batches, tiny_model
 
 
 def _groups(dtype, seed=0, device="cpu"):

@@ -8,6 +8,8 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
+from tiny_models import padded_batches, tiny_model, write_run_workspace  # noqa: E402
+
 import adept_ext.optim as optim  # noqa: E402
 import adept_ext.training.loop as loop  # noqa: E402
 from adept_ext.cli import main  # noqa: E402
@@ -17,7 +19,6 @@ from adept_ext.lr import DecoupledLR, param_groups  # noqa: E402
 from adept_ext.optim import OPTIMIZERS, make_optimizer, moment_bytes, state_bytes  # noqa: E402
 from adept_ext.train import config_from, run  # noqa: E402
 from adept_ext.units import UnitImportance  # noqa: E402
-from tiny_models import padded_batches, tiny_model, write_run_workspace  # noqa: E402
 
 EIGHT_BIT = [name for name in OPTIMIZERS if name != "adamw_torch"]
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
@@ -172,8 +173,9 @@ def test_kill_and_resume_with_8bit_state_equals_the_uninterrupted_run(workspace,
     """ADEPT (per-unit groups and rates) with adamw_8bit, killed at step 3 and resumed (test_train.py's
     test): the checkpoint holds the uint8 moments and their scales, loaded with weights_only=True, and the
     resumed run ends as the uninterrupted one."""
-    import adept_ext.train as train_module
     from test_train import test_resume_after_interrupt_gives_the_same_result as resume_test
+
+    import adept_ext.train as train_module
 
     loaded, real_read = [], train_module.read_checkpoint
     monkeypatch.setattr(train_module, "read_checkpoint", lambda out: loaded.append(real_read(out)) or loaded[-1])

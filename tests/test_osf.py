@@ -9,14 +9,14 @@ import re
 import pytest
 import torch
 from peft import OSFConfig, get_peft_model
+from test_continual import options
+from tiny_models import padded_batches, tiny_model, write_sequence_workspace
 from transformers import AutoModelForCausalLM
 
 import adept_ext
 from adept_ext.cli import main
 from adept_ext.methods import MethodError, OsfMethodConfig
 from adept_ext.methods.lora import target_modules
-from test_continual import options
-from tiny_models import padded_batches, tiny_model, write_sequence_workspace
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -6,12 +6,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from tiny_models import ARCHS, tiny_model, write_sequence_workspace
 
 from adept_ext import data
 from adept_ext.data.packing import DocumentRows, PackedRows, best_fit_decreasing, packed_view
 from adept_ext.errors import InputError, RunError
 from adept_ext.lm_loss import check_packing, hf_head_reason, next_token_loss, packing_reason
-from tiny_models import ARCHS, tiny_model, write_sequence_workspace
 
 WIDTH = 16
 
@@ -308,8 +308,9 @@ def test_packed_view_shuffles_the_packed_rows_by_seed():
 def test_packed_run_on_two_ranks_equals_one_process_with_the_same_global_batch(workspace, tmp_path, engine):
     """2 gloo ranks x grad_accum 1 under DDP or FSDP2 train on the packed rows one process takes with
     grad_accum 2 (position ids travel with each rank's batches): the losses agree to 1e-4 relative."""
-    from adept_ext.train import run
     from test_distributed import _assert_like_one_process, _run_ranks
+
+    from adept_ext.train import run
 
     options = run_dict(workspace, str(tmp_path / engine), mix_general=0.25, eval_every=2)
     single = run(run_options(workspace, str(tmp_path / "single"), mix_general=0.25, eval_every=2, grad_accum=2,

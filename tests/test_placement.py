@@ -2,10 +2,10 @@
 real tiny model, and every placement's expanded model computes what the base model did."""
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext import placement
 from adept_ext.expand import expand_layers
-from tiny_models import padded_batches, tiny_model
 
 GENERAL = [0.9, 0.1, 0.5, 0.2, 0.8, 0.05, 0.7, 0.3]   # I_g: layers 5, 1, 3 matter least for general text
 DOMAIN = [0.1, 0.05, 0.9, 0.8, 0.2, 0.01, 0.1, 0.6]   # I_d: layers 2, 3, 7 matter most for the domain

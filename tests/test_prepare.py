@@ -6,6 +6,9 @@ import random
 
 import pytest
 import torch
+from test_continual import options as sequence_options
+from test_train import options as run_options
+from tiny_models import tiny_model, write_sequence_workspace
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import adept_ext
@@ -15,9 +18,6 @@ from adept_ext.errors import InputError
 from adept_ext.hf import MethodCallback
 from adept_ext.methods import REGISTRY
 from adept_ext.models import load_model
-from test_continual import options as sequence_options
-from test_train import options as run_options
-from tiny_models import tiny_model, write_sequence_workspace
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@ import json
 
 import pytest
 import torch
+from tiny_models import ARCHS, padded_batches, tiny_model
 
 from adept_ext import probe, reference, report
 from adept_ext.probe import METHODS, LayerScores, layer_importance
-from tiny_models import ARCHS, padded_batches, tiny_model
 
 
 def snapshot(model):

@@ -3,11 +3,11 @@ import math
 
 import pytest
 import torch
+from conftest import cuda_only, integer_valued
 
 from adept_ext import reference
 from adept_ext.ops import conflict_correct_, null_space_apply_, null_space_coeffs
 from adept_ext.projection import GradientMemory, GramMemory, NullSpaceProjector
-from conftest import cuda_only, integer_valued
 
 SHAPES = [(5, 7), (0,), (9000,), (3,), (2, 3, 4)]
 

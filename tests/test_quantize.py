@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from adept_ext import quantize
-from tiny_models import tiny_model
 
 bnb = pytest.importorskip("bitsandbytes")
 

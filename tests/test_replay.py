@@ -4,16 +4,16 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_model
 
 import adept_ext
 from adept_ext import data
 from adept_ext.errors import InputError
 from adept_ext.hf import MethodCallback
+from adept_ext.lm_loss import final_hidden
 from adept_ext.methods import ReplayConfig, get_method
 from adept_ext.methods.pseudo_examples import label_examples, pseudo_examples
-from adept_ext.lm_loss import final_hidden
 from adept_ext.methods.replay import SLOT, row_losses, top_k_log_probs
-from tiny_models import tiny_model
 
 VOCAB = 40
 ANSWERS = {"a": [5, 6], "b": [7], "c": [8, 9]}

@@ -2,10 +2,10 @@
 accumulation, determinism, opcheck, torch.compile and every error path."""
 import pytest
 import torch
+from conftest import cuda_only, integer_valued
 
 import adept_ext
 from adept_ext import reference
-from conftest import cuda_only, integer_valued
 from adept_ext.ops import taylor_importance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

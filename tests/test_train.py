@@ -4,13 +4,13 @@ import re
 
 import pytest
 import torch
+from tiny_models import write_run_workspace
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from adept_ext.cli import main
 from adept_ext.errors import RunError
 from adept_ext.train import METHODS, config_from, run
 from adept_ext.training import read_checkpoint
-from tiny_models import write_run_workspace
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,12 @@ import copy
 
 import pytest
 from datasets import Dataset
+from tiny_models import tiny_model
 from trl import SFTConfig, SFTTrainer
 from trl.chat_template_utils import get_training_chat_template, qwen2_5_chat_template, qwen2_5_training_chat_template
 
 from adept_ext.data import chat, tasks
 from adept_ext.models import load_model
-from tiny_models import tiny_model
 
 BLOCK = 128
 PROMPT_COMPLETION = [

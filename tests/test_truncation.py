@@ -4,13 +4,13 @@ the counts in the report of both runners."""
 import json
 
 import pytest
+from tiny_models import write_sequence_workspace
 
 from adept_ext.data.chat import chat_blocks, chat_template
 from adept_ext.data.tasks import instruction_blocks, instruction_file_blocks
 from adept_ext.data.truncation import Truncation, kept
 from adept_ext.errors import InputError, RunError
 from adept_ext.models import load_model
-from tiny_models import write_sequence_workspace
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"},

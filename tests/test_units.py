@@ -1,10 +1,10 @@
 import pytest
 import torch
+from tiny_models import padded_batches, tiny_model
 
 from adept_ext import reference, taylor_importance
 from adept_ext.expand import expand_layers
 from adept_ext.units import UnitImportance, mean_importance, normalize_scores, partition
-from tiny_models import padded_batches, tiny_model
 
 
 def expanded(arch="qwen3", layers=4, copies=(0, 2)):
