@@ -25,10 +25,10 @@ from typing import Collection, Dict, List, Optional
 
 import torch
 
-from . import data, harness, held, parallel
+from . import data, harness, held, merge_back, parallel
 from .errors import InputError, RunError
 from .methods import create
-from .methods.base import option
+from .methods.base import REGISTRY, option
 from .lm_loss import check_packing, loss_path
 from .models import load_model, to_device
 from .report import plot_matrix, plot_series
@@ -36,17 +36,17 @@ from .data.packing import packed_view
 from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
 from .data.truncation import report_entries
 from .training import drift
-from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
-                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, options_from,
-                       peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint, remove_stale_shards, rng_state,
-                       set_rng_state, use_bf16, with_method_options)
+from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
+                       atomic_write, check_memory, check_merge_back, check_out, data_workers, device_for, evaluate,
+                       fit_task, frozen_dtype_for, merge_back_alpha, options_from, peak_memory_mb, prepare_out,
+                       read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16, with_method_options)
 
 logger = logging.getLogger(__name__)
 RESUME_MODEL = ".resume-model"  # the model after the last finished task, while the sequence runs
 
 
 @dataclass
-class ContinualOptions(BenchmarkOptions, TrainOptions):
+class ContinualOptions(MergeBackOptions, BenchmarkOptions, TrainOptions):
     """The options of a task-sequence run that are the runner's own (defaults: the built-in sequence on
     the embedded model, about 8 minutes on 2 CPU cores); `ContinualConfig` adds the sequence
     methods' options."""
@@ -80,6 +80,10 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> ContinualConfig
     """A checked ContinualConfig (RunError on bad input); `given`: the options the user gave (an
     option of another method among them is refused)."""
     cfg = options_from(continual_config_class(), overrides, sequence=True, given=given)
+    check_merge_back(cfg, given, auto=False)
+    if cfg.merge_back and not REGISTRY[cfg.method].dense_result:
+        raise RunError(f"--merge-back moves the model after a task toward the one before it; {cfg.method} does not "
+                       "end a task with one dense model of what it learned (it keeps or merges its adapters itself)")
     if cfg.benchmarks_every < 0:
         raise RunError(f"benchmarks_every must be >= 0 (0: the base model and the last only), "
                        f"got {cfg.benchmarks_every}")
@@ -241,6 +245,10 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
                            checkpoint=checkpoint if resuming else None, hooks=hooks, artifacts=task_dir, report=extras,
                            tracker=tracker, step_offset=t * cfg.steps, progress=progress, to_host=to_host, log=log)
             model = fit["model"]
+            if cfg.merge_back:  # toward the model the task started from (the previous task's)
+                merge_back.MergeBack(model, hooks.merge_start).set(merge_back_alpha(cfg), cfg.merge_back_schedule,
+                                                                   cfg.merge_back_min)
+                extras["merge_back"] = {"alpha": merge_back_alpha(cfg), "schedule": cfg.merge_back_schedule}
             if to_host:  # merged on the host, exact: on the device again, held, for the scores and the next task
                 to_device(model, device, torch.float32, hold)
             for p in model.parameters():
@@ -325,6 +333,8 @@ class _TaskHooks(TaskHooks):
 
     def prepared(self, task, n_trainable):
         self.started = time.time()
+        if self.cfg.merge_back:  # θ₀: the model the task starts from (a resumed task is prepared anew from it)
+            self.merge_start = merge_back.start_weights(task.model)
         if self.task_dir is not None:
             self.task_dir.mkdir(exist_ok=True)
             task.method.write_artifacts(self.task_dir)

@@ -42,17 +42,17 @@ from .lm_loss import check_packing, loss_path
 from .models import load_model, to_device
 from .report import plot_loss_curves, plot_merge_front
 from .training import drift
-from .training import (CHECKPOINT, BenchmarkOptions, TaskHooks, Tracker, TrainOptions, atomic_dir, atomic_write,
-                       check_memory, check_out, data_workers, device_for, evaluate, fit_task, held_as_frozen,
-                       options_from, peak_memory_mb, prepare_out, frozen_dtype_for, read_checkpoint,
-                       remove_stale_shards, use_bf16, with_method_options)
+from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
+                       atomic_write, check_memory, check_merge_back, check_out, data_workers, device_for, evaluate,
+                       fit_task, frozen_dtype_for, held_as_frozen, merge_back_alpha, options_from, peak_memory_mb,
+                       prepare_out, read_checkpoint, remove_stale_shards, use_bf16, with_method_options)
 
 logger = logging.getLogger(__name__)
 METHODS = tuple(method_names(single_domain=True))
 
 
 @dataclass
-class RunOptions(BenchmarkOptions, TrainOptions):
+class RunOptions(MergeBackOptions, BenchmarkOptions, TrainOptions):
     """The options of a one-domain run that are the runner's own (the embedded default: SmolLM2-135M,
     BBC News as general corpus, Python docs as domain corpus, sized for a few minutes on 2 CPU
     cores); `RunConfig` adds the single-domain methods' options."""
@@ -80,19 +80,6 @@ class RunOptions(BenchmarkOptions, TrainOptions):
     streaming: bool = option(False, help=(
         "read the corpora as streams through Hugging Face datasets: corpus order, no cache, only what the run "
         "consumes is read (for corpora too large to tokenise up front)"))
-    merge_back: str = option("", help=(
-        "after training, move every weight the run changed back toward where it started, θ₀ + α·(θ − θ₀) "
-        "(model averaging with the start; θ₀ the base weight, a LoRA's base layer, an expansion's "
-        "function-preserving copy): α in [0, 1] (0: the start, 1: the trained model), or `auto`: the largest α "
-        "of 0, 0.1, …, 1 whose general held-out loss rises at most --max-forgetting above the base's, the front "
-        "(α → general and domain Δloss) in report.json and merge_back.png; the final evaluation, benchmarks and "
-        "saved model are the merged one; default: off"))
-    merge_back_schedule: str = option("uniform", help=(
-        "with --merge-back: `uniform` (one α for every weight) or `lines` (LiNeS: α grows linearly with depth "
-        "from --merge-back-min at the embeddings and the first layer to α at the last layer and the head)"))
-    merge_back_min: float = option(0.0, help="with --merge-back and --merge-back-schedule lines: α of the bottom")
-    max_forgetting: float = option(0.0, help=(
-        "with --merge-back auto: the general held-out Δloss from the base the chosen α may reach (nats)"))
 
 
 def run_config_class() -> type:
@@ -131,46 +118,10 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
         raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
     if cfg.domain_eval and not (cfg.domain_eval in data.BUILTIN_CORPORA or Path(cfg.domain_eval).exists()):
         raise RunError(f"--domain-eval {cfg.domain_eval}: no such file or folder")
-    check_merge_back(cfg, given)
+    check_merge_back(cfg, given, auto=True)
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     return cfg
-
-
-def merge_back_alpha(cfg) -> Optional[float]:
-    """--merge-back's α (None: auto, or off)."""
-    return None if cfg.merge_back in ("", "auto") else float(cfg.merge_back)
-
-
-def check_merge_back(cfg, given: Collection[str]):
-    """RunError for --merge-back options that do not fit: α outside [0, 1], an unknown schedule, a
-    bottom α above α, or its companions without it (`auto`'s bound without auto)."""
-    if cfg.merge_back not in ("", "auto"):
-        try:
-            alpha = float(cfg.merge_back)
-        except ValueError:
-            alpha = math.nan
-        if not 0 <= alpha <= 1:
-            raise RunError(f"merge_back must be a number in [0, 1] or auto, got {cfg.merge_back!r}")
-    if cfg.merge_back_schedule not in merge_back.SCHEDULES:
-        raise RunError(f"merge_back_schedule must be one of {', '.join(merge_back.SCHEDULES)}, "
-                       f"got {cfg.merge_back_schedule!r}")
-    if not 0 <= cfg.merge_back_min <= 1:
-        raise RunError(f"merge_back_min must be in [0, 1], got {cfg.merge_back_min}")
-    if not math.isfinite(cfg.max_forgetting):
-        raise RunError(f"max_forgetting must be a finite number, got {cfg.max_forgetting}")
-    companions = [name for name in ("merge_back_schedule", "merge_back_min", "max_forgetting")
-                  if name in given or getattr(cfg, name) != getattr(RunOptions, name)]
-    if companions and not cfg.merge_back:
-        raise RunError(f"--{companions[0].replace('_', '-')} needs --merge-back")
-    if (cfg.max_forgetting or "max_forgetting" in given) and cfg.merge_back != "auto":
-        raise RunError("--max-forgetting bounds the choice of --merge-back auto: it needs --merge-back auto")
-    if cfg.merge_back_min and cfg.merge_back_schedule != "lines":
-        raise RunError("--merge-back-min is the bottom α of --merge-back-schedule lines: it needs that schedule")
-    alpha = merge_back_alpha(cfg)
-    if cfg.merge_back_schedule == "lines" and alpha is not None and alpha < cfg.merge_back_min:
-        raise RunError(f"--merge-back {alpha} is below --merge-back-min {cfg.merge_back_min}: LiNeS keeps the bottom "
-                       "closest to the start")
 
 
 def domain_sources(cfg) -> Tuple[List[str], List[float]]:

@@ -344,6 +344,17 @@ def test_freeze_bottom_keeps_the_embeddings_and_bottom_layers_from_the_second_ta
     assert not second.unchanged()  # the layers above trained
 
 
+def test_merge_back_0_after_every_task_keeps_the_base_model(workspace):
+    """Averaging with the previous task's model at α = 0 undoes every task: the saved model is the base
+    bit for bit and every row scores as the base does."""
+    report = run(options(workspace, "averaged", method="seq_lora", merge_back="0"), progress=False, log=quiet)
+    assert [t["merge_back"] for t in report["per_task"]] == [{"alpha": 0.0, "schedule": "uniform"}] * 2
+    assert all(row == report["matrix"][0] for row in report["matrix"])
+    base = AutoModelForCausalLM.from_pretrained(workspace / "tiny").state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(workspace / "averaged" / "model").state_dict()
+    assert all(torch.equal(saved[k], base[k]) for k in base)
+
+
 def test_builtin_sequence_tasks(workspace):
     tokenizer = load_model(workspace / "tiny")[1]
     tasks = load_tasks("builtin", tokenizer, 64, 0)
@@ -412,6 +423,8 @@ def test_replay_mixes_views_into_the_blocks_the_tensor_mixture_gave(workspace):
     (dict(method="magic"), "unknown method"),
     (dict(replay_fraction=0.0, method="replay"), "replay_fraction must be in"),
     (dict(freeze_bottom=4, method="seq_lora"), "freeze_bottom 4 leaves no layer of the model's 4"),
+    (dict(merge_back="auto"), "give continual a number in [0, 1]"),
+    (dict(merge_back="0.5", method="per_task"), "per_task does not end a task with one dense model"),
     (dict(o_lora_lambda=-1.0, method="o_lora"), "o_lora_lambda must be >= 0"),
     (dict(deal_a=1.0, method="deal"), "deal_a >= deal_b >= 1 is needed"),
     (dict(eoupct_tau=0.0, method="eoupct"), "eoupct_tau must be > 0"),

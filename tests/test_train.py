@@ -390,6 +390,7 @@ CONTINUAL_OPTIONS = {  # where a task sequence differs: its own methods and defa
     "method": Opt("seq_full", "full", "does not learn task sequences"),
     "k": Opt(3, 0, "k must be >= 1"),
     "lora_rank": Opt(4, 0, "lora_rank must be >= 1"),
+    "merge_back": Opt("0.5", "auto", "give continual a number in [0, 1]"),
     "out": Opt("{tmp}/elsewhere", "{file}", "is a file, not a directory", TINY[:2], runtime=True),
     "device": Opt("cpu", "tpu", "device", TINY[:2], runtime=True),
     "packing": Opt(True),  # continual has no --streaming to refuse it with

@@ -238,6 +238,7 @@ class Method:
     shardable = True       # trains a model sharded by FSDP2 (--parallel fsdp2); the runners unshard it before end_task
     trains_every_weight = False  # every linear weight trains (full fine-tuning, OSF): nothing to hold in 4 bits
     own_loss_terms = False  # `loss` adds terms `training_loss` does not (replay's distillation): no Trainer path
+    dense_result = True  # a task ends with one dense model of what it learned (continual --merge-back moves it)
 
     def __init__(self, config: MethodConfig):
         self.config = config

@@ -58,6 +58,7 @@ class MergeTasks(SeqLora):
     config_class = MergeTasksConfig
     description = "a fresh LoRA per task on the base model, the tasks' updates merged by TIES or DARE (PEFT)"
     records_subspaces = False
+    dense_result = False  # keeps its tasks' adapters and composes the model itself
     shardable = False  # the merge reads whole weights
 
     def __init__(self, config):

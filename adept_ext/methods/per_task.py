@@ -25,6 +25,7 @@ class PerTaskConfig(SeqLoraConfig):
 @register
 class PerTask(SeqLora):
     records_subspaces = False  # keeps whole adapters instead
+    dense_result = False  # keeps its tasks' adapters and composes the model itself
     name = "per_task"
     config_class = PerTaskConfig
     description = "oracle: a fresh LoRA per task on the base model, each task scored with its own adapter"

@@ -9,6 +9,7 @@ from typing import Collection, Dict, Optional
 import torch
 
 from .. import harness, lm_eval_tasks, parallel, quantize
+from .. import merge_back as merge_back_module
 from ..data.truncation import MODES as TRUNCATION_MODES
 from ..errors import RunError
 from ..lm_loss import LOSS_IMPLEMENTATIONS
@@ -160,6 +161,67 @@ class BenchmarkOptions:
     log_samples: bool = option(False, help=(
         "write every evaluated item (prompt, responses, metrics) as JSON lines to `--out` (lm-eval's --log_samples): "
         "benchmark_samples.jsonl (eval), benchmark_samples_base.jsonl and benchmark_samples_final.jsonl (run)"))
+
+
+@dataclass
+class MergeBackOptions:
+    """Merging back toward the start after training (`adept_ext.merge_back`, docs/methods.md §7); both
+    runners' configs inherit it."""
+
+    merge_back: str = option("", help=(
+        "after training (continual: after each task), move every weight the task changed back toward where it "
+        "started, θ₀ + α·(θ − θ₀) (model averaging with the start: run's base model, continual's model after the "
+        "previous task; θ₀ the weight, a LoRA's base layer, an expansion's function-preserving copy): α in [0, 1] "
+        "(0: the start, 1: the trained model), or (run only) `auto`: the largest α of 0, 0.1, …, 1 whose general "
+        "held-out loss rises at most --max-forgetting above the base's, the front (α → general and domain Δloss) "
+        "in report.json and merge_back.png; what is evaluated, benchmarked and saved is the merged model; "
+        "default: off"))
+    merge_back_schedule: str = option("uniform", help=(
+        "with --merge-back: `uniform` (one α for every weight) or `lines` (LiNeS: α grows linearly with depth "
+        "from --merge-back-min at the embeddings and the first layer to α at the last layer and the head)"))
+    merge_back_min: float = option(0.0, help="with --merge-back and --merge-back-schedule lines: α of the bottom")
+    max_forgetting: float = option(0.0, help=(
+        "with --merge-back auto: the general held-out Δloss from the base the chosen α may reach (nats)"))
+
+
+def merge_back_alpha(cfg) -> Optional[float]:
+    """--merge-back's α (None: auto, or off)."""
+    return None if cfg.merge_back in ("", "auto") else float(cfg.merge_back)
+
+
+def check_merge_back(cfg, given: Collection[str], auto: bool):
+    """RunError for --merge-back options that do not fit: α outside [0, 1], `auto` where the runner does
+    not choose (`auto` False), an unknown schedule, a bottom α above α, or its companions without it
+    (`auto`'s bound without auto)."""
+    if cfg.merge_back == "auto" and not auto:
+        raise RunError("--merge-back auto chooses α on a single-domain run's held-out rows: give continual a number "
+                       "in [0, 1]")
+    if cfg.merge_back not in ("", "auto"):
+        try:
+            alpha = float(cfg.merge_back)
+        except ValueError:
+            alpha = math.nan
+        if not 0 <= alpha <= 1:
+            raise RunError(f"merge_back must be a number in [0, 1] or auto, got {cfg.merge_back!r}")
+    if cfg.merge_back_schedule not in merge_back_module.SCHEDULES:
+        raise RunError(f"merge_back_schedule must be one of {', '.join(merge_back_module.SCHEDULES)}, "
+                       f"got {cfg.merge_back_schedule!r}")
+    if not 0 <= cfg.merge_back_min <= 1:
+        raise RunError(f"merge_back_min must be in [0, 1], got {cfg.merge_back_min}")
+    if not math.isfinite(cfg.max_forgetting):
+        raise RunError(f"max_forgetting must be a finite number, got {cfg.max_forgetting}")
+    companions = [name for name in ("merge_back_schedule", "merge_back_min", "max_forgetting")
+                  if name in given or getattr(cfg, name) != getattr(MergeBackOptions, name)]
+    if companions and not cfg.merge_back:
+        raise RunError(f"--{companions[0].replace('_', '-')} needs --merge-back")
+    if (cfg.max_forgetting or "max_forgetting" in given) and cfg.merge_back != "auto":
+        raise RunError("--max-forgetting bounds the choice of --merge-back auto: it needs --merge-back auto")
+    if cfg.merge_back_min and cfg.merge_back_schedule != "lines":
+        raise RunError("--merge-back-min is the bottom α of --merge-back-schedule lines: it needs that schedule")
+    alpha = merge_back_alpha(cfg)
+    if cfg.merge_back_schedule == "lines" and alpha is not None and alpha < cfg.merge_back_min:
+        raise RunError(f"--merge-back {alpha} is below --merge-back-min {cfg.merge_back_min}: LiNeS keeps the bottom "
+                       "closest to the start")
 
 
 # Options that never change what a run computes: where it writes, how often it checkpoints or logs, what
