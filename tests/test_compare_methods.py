@@ -97,3 +97,25 @@ def test_benchmark_columns_give_final_delta_and_stderr(tmp_path):
     assert "| full | +0.0100 | -0.4000 | – | 10.0% | 60.0 | – | 2261 | [3] | – | – |" in table
     compare_methods.write_results(args, [row])  # no benchmark: the columns of before
     assert "acc" not in (tmp_path / "compare.md").read_text()
+
+
+def test_drift_correlation_pairs_each_runs_kl_with_its_changes(tmp_path):
+    import drift_correlation
+
+    def result(seed, rows):
+        return {"budget": {"seed": seed}, "methods": [
+            {"method": m, "general_delta": g, "domain_delta": -0.3, "final": {"kl_to_base": kl},
+             "benchmarks": {"adept_general": {"acc": {"delta": b}}}} for m, kl, g, b in rows]}
+
+    files = []
+    for seed, rows in ((0, [("lora", 0.01, 0.00, 0.0), ("full", 0.20, 0.09, -0.03)]),
+                       (1, [("lora", 0.02, 0.01, -0.01), ("full", 0.15, 0.07, -0.02), ("old", None, 0.0, 0.0)])):
+        files.append(tmp_path / f"s{seed}.json")
+        files[-1].write_text(json.dumps(result(seed, rows)))
+    drift_correlation.main([*map(str, files), "--out", str(tmp_path / "drift")])
+    written = json.loads((tmp_path / "drift.json").read_text())
+    assert [(r["method"], r["seed"]) for r in written["runs"]] == [("lora", 0), ("full", 0), ("lora", 1), ("full", 1)]
+    general = written["correlation"]["general_delta"]
+    assert general["n"] == 4 and general["spearman_rho"] == 1.0
+    assert written["correlation"]["adept_general_acc_delta"]["spearman_rho"] == -1.0
+    assert "| full | 0 | 0.2000 | +0.0900 |" in (tmp_path / "drift.md").read_text()
