@@ -3,7 +3,8 @@
 #             adept_ext through its own metadata (pyproject.toml, the `dev`, `lm-eval` and `quantization` extras) with the lock as
 #             constraints.
 # make demo:  setup, then the main job on the embedded default (SmolLM2-135M, BBC News -> Python docs), with
-#             the base and final model's ARC-Easy accuracy (the first 50 questions, offline: docs/evaluation.md).
+#             the base and final model's general-suite accuracy (5 items of each of its 10 tasks, offline, with
+#             the paired test: docs/evaluation.md).
 # make test:  setup, then ruff (pyproject.toml) and the test suite.   make bench: setup, then the benchmarks.
 PYTHON ?= python3
 VENV := .venv
@@ -46,7 +47,7 @@ bench: setup
 	$(PY) tools/bench.py all --json bench-results/bench.json
 
 demo: setup
-	$(PY) -m adept_ext run --out runs/demo --overwrite --benchmarks adept_arc_easy --limit 50
+	$(PY) -m adept_ext run --out runs/demo --overwrite --benchmarks adept_general --limit 5
 
 clean:
 	rm -rf build *.egg-info adept_ext/*.so $(STAMP)
