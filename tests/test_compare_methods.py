@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import compare_methods  # noqa: E402
@@ -119,3 +121,26 @@ def test_drift_correlation_pairs_each_runs_kl_with_its_changes(tmp_path):
     assert general["n"] == 4 and general["spearman_rho"] == 1.0
     assert written["correlation"]["adept_general_acc_delta"]["spearman_rho"] == -1.0
     assert "| full | 0 | 0.2000 | +0.0900 |" in (tmp_path / "drift.md").read_text()
+
+
+def test_merge_front_averages_seeds_and_names_the_methods_it_matches(tmp_path):
+    import merge_front
+
+    runs = []
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        front = [{"alpha": a, "general_delta": 0.1 * a + shift, "domain_delta": -0.7 * a} for a in (0.0, 0.5, 1.0)]
+        run = tmp_path / f"run{seed}"
+        run.mkdir()
+        (run / "report.json").write_text(json.dumps({"method": "full", "merge_back": {"front": front, "alpha": 0.5}}))
+        runs.append(run)
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"methods": [{"method": "lora", "general_delta": 0.055, "domain_delta": -0.34},
+                                               {"method": "adept", "general_delta": 0.0, "domain_delta": -0.3}]}))
+    merge_front.main(["--runs", ",".join(map(str, runs)), "--results", str(results), "--methods", "adept,lora",
+                      "--out", str(tmp_path / "front")])
+    written = json.loads((tmp_path / "front.json").read_text())
+    half = next(p for p in written["front"] if p["alpha"] == 0.5)
+    assert half["general_delta"] == pytest.approx(0.06) and half["general_spread"] == pytest.approx(0.01)
+    assert half["at_least_as_good_as"] == ["lora"]  # forgets 0.06 ± 0.01 vs adept's 0.0: beyond the spread
+    assert next(p for p in written["front"] if p["alpha"] == 0.0)["at_least_as_good_as"] == []  # gains nothing
+    assert (tmp_path / "front.png").exists() and written["auto_alpha"] == [0.5, 0.5]
