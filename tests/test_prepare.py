@@ -139,7 +139,7 @@ def test_prepare_equals_the_run(workspace, tmp_path, method, loop):
 
 
 @pytest.mark.parametrize("loop", ["plain", "trainer"])
-@pytest.mark.parametrize("method", ["o_lora", "osf", "replay", "eoupct", "deal", "adept_seq"])
+@pytest.mark.parametrize("method", ["o_lora", "osf", "replay", "eoupct", "deal", "adept_seq", "ewc", "agem"])
 def test_prepare_equals_the_sequence(workspace, tmp_path, method, loop):
     cfg, report = runner_report(workspace, "continual", method, loop)
     torch.manual_seed(cfg.seed)
