@@ -414,6 +414,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
             if hold is not None or cfg.frozen_dtype == "nf4":  # finished on the host: on the device, held, to score
                 to_device(model, device, torch.float32, hold)
             final, report["merge_back"] = merged_back(cfg, model, hooks, fit["step"], out if main else None, log)
+            hooks.stage("merge_back", alpha=report["merge_back"]["alpha"])
             final_benchmarks = harness.for_run(cfg, model, tokenizer, out / "benchmark_samples_final.jsonl", tracker,
                                                fit["step"], "final", log)
             held.export_exact(model)  # saved exact, from the host
