@@ -100,7 +100,7 @@ def main(argv=None):
     ax.set_xlabel("general held-out Δloss (forgetting)")
     ax.set_ylabel("domain held-out Δloss (gain: lower is better)")
     ax.legend(fontsize=8)
-    ax.set_title("merging back: the front beside the other methods (mean ± half range over seeds)")
+    ax.set_title("merging back vs the methods (mean ± half range over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)
