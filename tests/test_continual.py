@@ -149,7 +149,7 @@ def test_a_conversational_task_is_scored_by_its_greedy_reply_through_the_end_of_
     from adept_ext.data.tasks import Task
 
     held = data.BlockSet(data.TensorBlocks(blocks))
-    cfg = SimpleNamespace(eval_blocks=2, batch_size=2, loss_implementation="auto")
+    cfg = SimpleNamespace(eval_blocks=2, batch_size=2, loss_implementation="auto", drift_tokens=0)
     tasks = [Task("chat", "instruction", held, held, replies=True), Task("answers", "instruction", held, held)]
     method = SimpleNamespace(scoring=lambda model, i: nullcontext(model))
     row = Evaluator(cfg, tasks, [blocks], "cpu", end_of_turn, False, method).row(model, "taught")
