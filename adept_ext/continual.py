@@ -80,7 +80,7 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> ContinualConfig
     """A checked ContinualConfig (RunError on bad input); `given`: the options the user gave (an
     option of another method among them is refused)."""
     cfg = options_from(continual_config_class(), overrides, sequence=True, given=given)
-    check_merge_back(cfg, given, auto=False)
+    check_merge_back(cfg, auto=False)
     if cfg.merge_back and not REGISTRY[cfg.method].dense_result:
         raise RunError(f"--merge-back moves the model after a task toward the one before it; {cfg.method} does not "
                        "end a task with one dense model of what it learned (it keeps or merges its adapters itself)")

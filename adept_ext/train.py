@@ -118,7 +118,7 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
         raise RunError(f"diagnosis_queries must be >= 1, got {cfg.diagnosis_queries}")
     if cfg.domain_eval and not (cfg.domain_eval in data.BUILTIN_CORPORA or Path(cfg.domain_eval).exists()):
         raise RunError(f"--domain-eval {cfg.domain_eval}: no such file or folder")
-    check_merge_back(cfg, given, auto=True)
+    check_merge_back(cfg, auto=True)
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     return cfg

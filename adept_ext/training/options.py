@@ -189,7 +189,7 @@ def merge_back_alpha(cfg) -> Optional[float]:
     return None if cfg.merge_back in ("", "auto") else float(cfg.merge_back)
 
 
-def check_merge_back(cfg, given: Collection[str], auto: bool):
+def check_merge_back(cfg, auto: bool):
     """RunError for --merge-back options that do not fit: α outside [0, 1], `auto` where the runner does
     not choose (`auto` False), an unknown schedule, a bottom α above α, or its companions without it
     (`auto`'s bound without auto)."""
@@ -211,10 +211,10 @@ def check_merge_back(cfg, given: Collection[str], auto: bool):
     if not math.isfinite(cfg.max_forgetting):
         raise RunError(f"max_forgetting must be a finite number, got {cfg.max_forgetting}")
     companions = [name for name in ("merge_back_schedule", "merge_back_min", "max_forgetting")
-                  if name in given or getattr(cfg, name) != getattr(MergeBackOptions, name)]
+                  if getattr(cfg, name) != getattr(MergeBackOptions, name)]  # its default given (a full TOML): fine
     if companions and not cfg.merge_back:
         raise RunError(f"--{companions[0].replace('_', '-')} needs --merge-back")
-    if (cfg.max_forgetting or "max_forgetting" in given) and cfg.merge_back != "auto":
+    if cfg.max_forgetting and cfg.merge_back != "auto":
         raise RunError("--max-forgetting bounds the choice of --merge-back auto: it needs --merge-back auto")
     if cfg.merge_back_min and cfg.merge_back_schedule != "lines":
         raise RunError("--merge-back-min is the bottom α of --merge-back-schedule lines: it needs that schedule")
