@@ -71,7 +71,7 @@ class Ewc(Method):
         self.trains_every_weight = self.base.trains_every_weight
         self.fisher: Dict[str, torch.Tensor] = {}  # finished weight name -> F (float32, host until a task moves it)
         self.anchor: Dict[str, torch.Tensor] = {}  # ewc_base full: w* by name
-        self.rows, self.tasks = None, 0
+        self.rows = None  # the current task's training rows (`train_blocks`), the Fisher's
 
     def check(self, model):
         self.base.check(model)
@@ -155,7 +155,6 @@ class Ewc(Method):
             fisher, counted = self.task_fisher(model, self.rows)
             self.fisher = {name: f + self.config.decay * self.fisher[name].to(f.device) if name in self.fisher else f
                            for name, f in fisher.items()}
-            self.tasks += 1
             report["ewc"] = {"fisher_rows": counted, "weights": len(self.fisher),
                              "fisher_mean": float(sum(f.sum() for f in fisher.values())
                                                   / sum(f.numel() for f in fisher.values()))}
@@ -166,8 +165,8 @@ class Ewc(Method):
 
     def state_dict(self) -> Dict:
         return {"base": self.base.state_dict(), "fisher": {n: f.cpu() for n, f in self.fisher.items()},
-                "anchor": {n: a.cpu() for n, a in self.anchor.items()}, "tasks": self.tasks}
+                "anchor": {n: a.cpu() for n, a in self.anchor.items()}}
 
     def load_state_dict(self, state: Dict):
         self.base.load_state_dict(state["base"])
-        self.fisher, self.anchor, self.tasks = dict(state["fisher"]), dict(state["anchor"]), state["tasks"]
+        self.fisher, self.anchor = dict(state["fisher"]), dict(state["anchor"])
