@@ -1,6 +1,7 @@
 """The task-sequence runner, its metrics and the continual methods on a tiny real model with the
 SmolLM2 tokenizer and real text."""
 import json
+import math
 import weakref
 from pathlib import Path
 
@@ -353,6 +354,21 @@ def test_merge_back_0_after_every_task_keeps_the_base_model(workspace):
     base = AutoModelForCausalLM.from_pretrained(workspace / "tiny").state_dict()
     saved = AutoModelForCausalLM.from_pretrained(workspace / "averaged" / "model").state_dict()
     assert all(torch.equal(saved[k], base[k]) for k in base)
+
+
+@pytest.mark.parametrize("method", ["ewc", "lwf", "agem"])
+def test_the_classic_baselines_train_with_frozen_weights_in_bfloat16_and_accumulation(workspace, method):
+    """As users train: bf16 autocast, the frozen weights held in bfloat16, 2 micro-batches per step; the
+    method's own term is active in task 2 (the Fisher, the teacher, the buffer) and the text task learns."""
+    report = run(options(workspace, f"bf16-{method}", method=method, bf16="on", frozen_dtype="bfloat16",
+                         grad_accum=2, merge_back="0.5"), progress=False, log=quiet)
+    assert report["matrix"][1][0] > report["matrix"][0][0]
+    assert all(math.isfinite(v) for row in report["matrix"] for v in row)
+    if method == "ewc":
+        assert report["per_task"][1]["ewc"]["fisher_rows"] > 0
+    if method == "agem":  # the projection ran at every step of task 2
+        assert report["per_task"][1]["agem"]["steps"] == report["config"]["steps"]
+    assert [t["merge_back"]["alpha"] for t in report["per_task"]] == [0.5, 0.5]
 
 
 def test_builtin_sequence_tasks(workspace):
