@@ -28,28 +28,10 @@ from .errors import InputError, RunError
 from .methods import method_names
 from .train import METHODS, config_from, run_config_class
 from .training import saved_options
-from .training.options import RENAMED, current_names
+from .training.options import TOOLS, current_names, marked, other_names
 
 logger = logging.getLogger(__name__)
-COMMON = ("model", "out", "max_length", "batch_size", "seed", "device", "overwrite")
-OPTIONS = {  # the options each command shows and takes; run/train/continual take all of their config's
-    "probe": (*COMMON, "general", "k", "probe_blocks"),
-    "expand": (*COMMON, "general", "k", "probe_blocks"),
-    "eval": (*COMMON, "general", "domain", "domain_eval", "eval_blocks", "benchmarks", "include_path", "num_fewshot",
-             "limit", "apply_chat_template", "fewshot_as_multiturn", "log_samples"),
-    "diagnose": (*COMMON, "general", "domain", "k", "probe_blocks", "eval_blocks", "diagnosis_task",
-                 "diagnosis_queries"),
-}
 COMMANDS = ("continual", "run", "train", "probe", "expand", "eval", "diagnose")
-SAFE_ON_RESUME = {"steps", "save_every", "eval_every", "device", "data_workers", "gradient_checkpointing", "report_to",
-                  "loss_implementation", "compile", "logging_steps", "dataloader_num_workers",
-                  "resume", "overwrite"}
-ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "rank": "lora_rank",
-           "block_size": "max_length", "seq_len": "max_length", "cutoff_len": "max_length",
-           "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
-           "output_dir": "out", "model_name_or_path": "model", "warmup": "warmup_steps"}
-
-ONE_WAY = ("resume", "overwrite")  # switches without a --no- form (the `*no_*` ablations neither)
 
 
 def config_class(command: str) -> type:
@@ -58,9 +40,11 @@ def config_class(command: str) -> type:
 
 
 def command_options(command: str):
-    """The config fields a command takes (in its config's order)."""
-    names = [f.name for f in fields(config_class(command))]
-    return [n for n in names if n in OPTIONS[command]] if command in OPTIONS else names
+    """The config fields a command takes (in its config's order): every one for the runners, those
+    declared for it (`option(..., commands=...)`) for a one-off command."""
+    cls = config_class(command)
+    return ([f.name for f in fields(cls) if command in f.metadata.get("commands", ())] if command in TOOLS
+            else [f.name for f in fields(cls)])
 
 
 def option_help(command: str, name: str) -> str:
@@ -69,15 +53,16 @@ def option_help(command: str, name: str) -> str:
     text = next(f for f in fields(config_class(command)) if f.name == name).metadata["help"]
     if name == "method":
         text += ": " + ", ".join(method_names(sequence=True) if command == "continual" else METHODS)
-    if name in SAFE_ON_RESUME and name not in ONE_WAY and "resume" in command_options(command):
+    cls = config_class(command)
+    if name in marked(cls, "resumable") and name not in marked(cls, "one_way") and "resume" in command_options(command):
         text += "; may change on `--resume`"
     return text
 
 
-def both_ways(name: str) -> bool:
-    """Whether a switch also has a --no- form (every training switch; not --resume, --overwrite and
-    the ablations that are themselves a `no`)."""
-    return name not in ONE_WAY and "no_" not in name
+def both_ways(command: str, name: str) -> bool:
+    """Whether a switch also has a --no- form (every training switch; not those declared `one_way`,
+    --resume and --overwrite, and the ablations that are themselves a `no`)."""
+    return name not in marked(config_class(command), "one_way") and "no_" not in name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,13 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE", help="TOML file with options (flags override it)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
         defaults = config_class(name)(out=f"runs/{name}")
+        renamed = other_names(config_class(name), "former_names")
         for option in command_options(name):
             flag = "--" + option.replace("_", "-")
-            flags = [flag] + ["--" + old.replace("_", "-") for old, new in RENAMED.items() if new == option]
+            flags = [flag] + ["--" + old.replace("_", "-") for old, new in renamed.items() if new == option]
             default = getattr(defaults, option)
             text = option_help(name, option).replace("`", "")
             if isinstance(default, bool):
-                action = argparse.BooleanOptionalAction if both_ways(option) else "store_true"
+                action = argparse.BooleanOptionalAction if both_ways(name, option) else "store_true"
                 p.add_argument(*flags, action=action, default=None,
                                help=f"{text} (default: {'on' if default else 'off'})")
             else:
@@ -112,19 +98,21 @@ def options_table(command: str) -> str:
     for option in command_options(command):
         default, flag = getattr(defaults, option), option.replace("_", "-")
         if isinstance(default, bool):
-            shown = f"{'on' if default else 'off'}" + ("" if both_ways(option) else " (a switch)")
-            flag = f"`--{flag}`" + (f" / `--no-{flag}`" if both_ways(option) else "")
+            shown = f"{'on' if default else 'off'}" + ("" if both_ways(command, option) else " (a switch)")
+            flag = f"`--{flag}`" + (f" / `--no-{flag}`" if both_ways(command, option) else "")
         else:
             shown, flag = ('"" (none)' if default == "" else f"`{default}`"), f"`--{flag}`"
         rows.append(f"| {flag} | {shown} | {option_help(command, option)} |")
     return "\n".join(rows) + "\n"
 
 
-def _unknown_keys(values, allowed, source: str):
-    """RunError naming the first unknown option of `values` and the option it most likely means."""
+def _unknown_keys(values, allowed, source: str, cls):
+    """RunError naming the first unknown option of `values` and the option it most likely means (its
+    name in other tools, `option(..., known_as=...)`, or the closest option name)."""
+    aliases = other_names(cls, "known_as")
     for key in values:
         if key not in allowed:
-            guess = ALIASES.get(key) or next(iter(difflib.get_close_matches(key, allowed, n=1)), None)
+            guess = aliases.get(key) or next(iter(difflib.get_close_matches(key, allowed, n=1)), None)
             hint = f"; did you mean {guess!r}?" if guess in allowed else ""
             raise RunError(f"{source}: unknown option {key!r}{hint}")
 
@@ -138,32 +126,33 @@ def _check_numbers(values):
 def resolve_config(args):
     """The checked config of `args.command`: defaults, then the TOML file, then flags; with
     --resume, the run's own saved options, overridden only where that is safe."""
-    command = args.command
-    names = [f.name for f in fields(config_class(command))]
+    command, cls = args.command, config_class(args.command)
+    names = [f.name for f in fields(cls)]
     values = {}
     if args.config:
         path = Path(args.config)
         if not path.is_file():
             raise RunError(f"--config {path}: no such file")
         try:
-            values.update(current_names(tomllib.loads(path.read_text())))
+            values.update(current_names(tomllib.loads(path.read_text()), cls))
         except tomllib.TOMLDecodeError as e:
             raise RunError(f"--config {path}: {e}") from e
-        _unknown_keys(values, names, f"--config {path}")
+        _unknown_keys(values, names, f"--config {path}", cls)
     values.update({n: getattr(args, n) for n in command_options(command) if getattr(args, n) is not None})
     given = set(values) if command in ("run", "train", "continual") else set()  # another method's: refused
     values.setdefault("out", f"runs/{command}")
     if values.get("resume"):
-        saved = current_names(saved_options(Path(values["out"]), command))
+        saved = current_names(saved_options(Path(values["out"]), command), cls)
         # an option the run's run.json lacks (added since) ran at its default
-        defaults = {f.name: f.default for f in fields(config_class(command)) if f.default is not None}
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not None}
         saved = {**{k: defaults[k] for k in values if k in defaults and k not in saved}, **saved}
-        conflicts = [k for k, v in values.items() if k not in SAFE_ON_RESUME and k in saved and saved[k] != v
+        resumable = marked(cls, "resumable")
+        conflicts = [k for k, v in values.items() if k not in resumable and k in saved and saved[k] != v
                      and not (k == "out")]
         if conflicts:
             k = conflicts[0]
             raise RunError(f"--resume: --{k.replace('_', '-')} {values[k]} differs from the run's own {k} "
-                           f"({saved[k]!r}); only {', '.join(sorted(SAFE_ON_RESUME - {'resume', 'overwrite'}))} "
+                           f"({saved[k]!r}); only {', '.join(sorted(set(resumable) - set(marked(cls, 'one_way'))))} "
                            "may change on resume")
         values = {**{k: v for k, v in saved.items() if k in names}, **values}
         values["overwrite"] = False

@@ -36,6 +36,7 @@ from .data.packing import packed_view
 from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
 from .data.truncation import report_entries
 from .training import drift
+from .training.options import TOOLS
 from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
                        atomic_write, check_memory, check_merge_back, check_out, data_workers, device_for, evaluate,
                        fit_task, frozen_dtype_for, merge_back_alpha, options_from, peak_memory_mb, prepare_out,
@@ -51,7 +52,8 @@ class ContinualOptions(MergeBackOptions, BenchmarkOptions, TrainOptions):
     the embedded model, about 8 minutes on 2 CPU cores); `ContinualConfig` adds the sequence
     methods' options."""
 
-    out: str = option("runs/continual", help="output directory")
+    out: str = option("runs/continual", commands=TOOLS, affects_results=False, known_as=("output_dir",),
+                      help="output directory")
     method: str = option("seq_lora", help="adaptation method")
     tasks: str = option("builtin", help=(
         "comma-separated tasks in order, each SOURCE or NAME=SOURCE: text files/folders, JSONL with 'text' (text "
@@ -62,7 +64,8 @@ class ContinualOptions(MergeBackOptions, BenchmarkOptions, TrainOptions):
     general: str = option("bbc-news", help=(
         "general-domain corpus, held out from every task: text file, folder, JSONL with 'text', or bbc-news / "
         "python-docs"))
-    eval_blocks: int = option(16, help="held-out blocks (text) or examples (instruction) per task")
+    eval_blocks: int = option(16, commands=("eval", "diagnose"),
+                              help="held-out blocks (text) or examples (instruction) per task")
     benchmarks_every: int = option(1, help=(
         "with --benchmarks: score the base model, the model after every Nth task and after the last (lm-eval's "
         "tasks can cost more than a task's training); 0: the base model and the last only"))

@@ -42,6 +42,7 @@ from .lm_loss import check_packing, loss_path
 from .models import load_model, to_device
 from .report import plot_loss_curves, plot_merge_front
 from .training import drift
+from .training.options import TOOLS
 from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
                        atomic_write, check_memory, check_merge_back, check_out, data_workers, device_for, evaluate,
                        fit_task, frozen_dtype_for, held_as_frozen, merge_back_alpha, options_from, peak_memory_mb,
@@ -57,9 +58,9 @@ class RunOptions(MergeBackOptions, BenchmarkOptions, TrainOptions):
     BBC News as general corpus, Python docs as domain corpus, sized for a few minutes on 2 CPU
     cores); `RunConfig` adds the single-domain methods' options."""
 
-    general: str = option("bbc-news", help=(
+    general: str = option("bbc-news", commands=TOOLS, help=(
         "general-domain corpus: text file, folder, JSONL with 'text', or bbc-news / python-docs"))
-    domain: str = option("python-docs", help=(
+    domain: str = option("python-docs", commands=("eval", "diagnose"), help=(
         "domain corpus to adapt to (same forms as --general), or several, comma-separated, interleaved by "
         "--domain-weights"))
     domain_weights: str = option("", help=(
@@ -67,16 +68,18 @@ class RunOptions(MergeBackOptions, BenchmarkOptions, TrainOptions):
         "training block comes from source j with probability w_j / sum(w) until every source has given every block "
         "(a light source repeats; nothing is dropped), and the held-out blocks are interleaved alike, each once; "
         "default: equal weights"))
-    domain_eval: str = option("", help=(
+    domain_eval: str = option("", commands=("eval",), help=(
         "a fixed held-out set for the domain (TRL's eval_dataset; same forms as --domain): its first --eval-blocks "
         "blocks are evaluated and every block of --domain trains; default: a random tenth of --domain held out"))
     # 4 and 8 probe blocks choose the same layers of the embedded model at half the probe's time
-    probe_blocks: int = option(4, help="general blocks used to probe layers and score units")
-    eval_every: int = option(20, help="held-out evaluation every N steps (0 = only at the end)")
-    diagnosis_task: str = option("bbc-topic", help=(
+    probe_blocks: int = option(4, commands=("probe", "expand", "diagnose"),
+                               help="general blocks used to probe layers and score units")
+    eval_every: int = option(20, resumable=True, help="held-out evaluation every N steps (0 = only at the end)")
+    diagnosis_task: str = option("bbc-topic", commands=("diagnose",), help=(
         "LayerTracer inputs: bbc-topic (few-shot BBC News topic classification) or context (general blocks, first "
         "half as context)"))
-    diagnosis_queries: int = option(8, help="composite inputs (queries) of the LayerTracer diagnosis")
+    diagnosis_queries: int = option(8, commands=("diagnose",),
+                                    help="composite inputs (queries) of the LayerTracer diagnosis")
     streaming: bool = option(False, help=(
         "read the corpora as streams through Hugging Face datasets: corpus order, no cache, only what the run "
         "consumes is read (for corpora too large to tokenise up front)"))

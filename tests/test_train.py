@@ -614,6 +614,27 @@ def test_unknown_toml_option_names_the_file_and_a_likely_option(tmp_path, capsys
     assert str(cfg) in err and "unknown option 'learning_rate'; did you mean 'lr'?" in err
 
 
+def test_a_redeclared_option_keeps_what_the_option_is():
+    """A runner's options class that declares an inherited option anew (another default or help text)
+    keeps its properties (resumable, one-way, affects results, former and other tools' names, commands)."""
+    from dataclasses import fields
+
+    from adept_ext.continual import ContinualOptions
+    from adept_ext.methods.base import PROPERTIES
+    from adept_ext.train import RunOptions
+
+    checked = 0
+    for cls in (RunOptions, ContinualOptions):
+        for base in cls.__mro__[1:]:
+            inherited = {f.name: f for f in fields(base)} if "__dataclass_fields__" in vars(base) else {}
+            for f in fields(cls):
+                if f.name in inherited and inherited[f.name] is not f:
+                    checked += 1
+                    assert ({p: f.metadata.get(p) for p in PROPERTIES}
+                            == {p: inherited[f.name].metadata.get(p) for p in PROPERTIES}), (cls, f.name)
+    assert checked >= 3  # out and eval_blocks (continual), probe_blocks (run)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--lr", "-5"], "lr must be a finite number > 0"),
     (["--lr", "nan"], "lr must be a finite number"),

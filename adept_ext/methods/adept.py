@@ -33,7 +33,8 @@ def parse_layers(text: str) -> Optional[List[int]]:
 class LayerConfig(MethodConfig):
     """k layers to expand or train; `layers` (sorted distinct indices) overrides the method's choice."""
 
-    k: int = option(4, help="number of layers to expand (adept_no_expand: to train)")
+    k: int = option(4, commands=("probe", "expand", "diagnose"),
+                    help="number of layers to expand (adept_no_expand: to train)")
     layers: Optional[List[int]] = option(None, parse=parse_layers, flat="", help=(
         "comma-separated layers to expand or train instead of the method's choice (overrides k)"))
 

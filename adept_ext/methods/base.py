@@ -41,30 +41,45 @@ from ..errors import MethodError
 from ..lm_loss import next_token_loss
 
 REGISTRY: Dict[str, type] = {}
+PROPERTIES = ("resumable", "one_way", "affects_results", "former_names", "known_as", "commands")  # see `option`
 logger = logging.getLogger(__name__)
 
 
 def option(default, name: Optional[str] = None, parse: Optional[Callable] = None, help: str = "",
-           flat: Any = MISSING):
+           flat: Any = MISSING, *, resumable: bool = False, one_way: bool = False, affects_results: bool = True,
+           former_names: Sequence[str] = (), known_as: Sequence[str] = (), commands: Sequence[str] = ()):
     """A config field: its default, its help text, and the runner's flat option it comes from
     (`name`; default: the field's own name), read through `parse` where the option's form differs
     from the field's (then `flat` is the option's own default, e.g. "" for `layers`). The runners'
     flags, TOML keys, run.json and the `docs/cli.md` tables are derived from these fields
-    (`method_options`); a field whose option is a runner's own (e.g. `diagnosis_task`) reads it."""
-    metadata = {k: v for k, v in (("option", name), ("parse", parse), ("help", help or None),
-                                  ("flat", flat)) if v is not None and v is not MISSING}
+    (`method_options`); a field whose option is a runner's own (e.g. `diagnosis_task`) reads it.
+
+    A runner's option also declares its properties here, each read from the declaration alone
+    (`training.options.marked`): `resumable` (may change on --resume), `one_way` (a switch without a
+    --no- form), `affects_results` (False: never changes what a run computes, e.g. where it writes),
+    `former_names` (flags, TOML keys and older run.json keys that still name it), `known_as` (other
+    tools' names for it, suggested for an unknown option) and `commands` (the one-off commands —
+    probe, expand, eval, diagnose — that take it; run, train and continual take every option)."""
+    metadata = {k: v for k, v in (("option", name), ("parse", parse), ("help", help or None), ("flat", flat),
+                                  ("resumable", resumable or None), ("one_way", one_way or None),
+                                  ("affects_results", None if affects_results else False),
+                                  ("former_names", tuple(former_names) or None), ("known_as", tuple(known_as) or None),
+                                  ("commands", tuple(commands) or None))
+                if v is not None and v is not MISSING}
     return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class OptionSpec:
     """A flat option of one or several methods: its name and type, and per method that takes it
-    (in registration order) its default and help text there."""
+    (in registration order) its default and help text there, and the properties its declarations
+    give it (`option(..., commands=...)`, merged over the methods)."""
 
     name: str
     type: type
     defaults: Dict[str, Any]
     helps: Dict[str, str]
+    properties: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def default(self):
@@ -104,8 +119,10 @@ def method_options(names: Sequence[str], runner_fields: Collection[str] = ()) ->
             if spec is not None and spec.type is not kind:
                 raise ValueError(f"option {flat!r}: {cls.__name__}.{f.name} is a {kind}, another method's "
                                  f"is a {spec.type}")
+            properties = {k: v for k, v in f.metadata.items() if k in PROPERTIES}
             specs[flat] = OptionSpec(flat, kind, {**(spec.defaults if spec else {}), method: default},
-                                     {**(spec.helps if spec else {}), method: text})
+                                     {**(spec.helps if spec else {}), method: text},
+                                     {**(spec.properties if spec else {}), **properties})
     return specs
 
 

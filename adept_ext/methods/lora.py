@@ -56,7 +56,7 @@ class LoraMethodConfig(MethodConfig):
     """The adapter's rank r (not PEFT's `LoraConfig`: the method builds that from r)."""
 
     method: ClassVar[str] = "lora"
-    rank: int = option(8, "lora_rank", help="LoRA rank")
+    rank: int = option(8, "lora_rank", known_as=("rank",), help="LoRA rank")
 
     def __post_init__(self):
         super().__post_init__()

@@ -4,7 +4,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Collection, Dict, Optional
+from typing import Collection, Dict, List, Optional
 
 import torch
 
@@ -20,7 +20,7 @@ from ..optim import check_optimizer
 from .tracking import backends_of
 
 FROZEN_DTYPES = ("auto", "bfloat16", "float32", "nf4")
-RENAMED = {"block_len": "max_length"}  # an option's former name (flag, TOML key, run.json) -> its name now
+TOOLS = ("probe", "expand", "eval", "diagnose")  # the one-off commands, each taking the options marked for it
 
 
 @dataclass
@@ -29,19 +29,23 @@ class TrainOptions:
     A method's own options are not here: they are its config's fields (`methods`), added to a
     runner's config by `with_method_options`."""
 
-    model: str = option("smollm2-135m", help=(
+    model: str = option("smollm2-135m", commands=TOOLS, known_as=("model_name_or_path",), help=(
         "local HF checkpoint directory or embedded model name (smollm2-135m)"))
-    out: str = option("runs/run", help="output directory")
+    out: str = option("runs/run", commands=TOOLS, affects_results=False, known_as=("output_dir",),
+                      help="output directory")
     method: str = option("adept", help="adaptation method")
-    max_length: int = option(128, help=(
+    max_length: int = option(128, commands=TOOLS, former_names=("block_len",),
+                             known_as=("block_size", "seq_len", "cutoff_len"), help=(
         "the longest sequence in tokens (TRL's max_length; the old --block-len / block_len still name it): text is "
         "cut into blocks of this many tokens, an instruction example or conversation is one sequence of at most "
         "this many"))
-    batch_size: int = option(4, help="blocks per micro-batch")
-    grad_accum: int = option(1, help="micro-batches per optimizer step")
-    steps: int = option(40, help="optimizer steps (per task in a sequence)")
-    lr: float = option(3e-4, help="base learning rate (AdamW)")
-    warmup_steps: int = option(4, help="linear warmup steps before the cosine decay")
+    batch_size: int = option(4, commands=TOOLS, known_as=("per_device_train_batch_size",),
+                             help="blocks per micro-batch")
+    grad_accum: int = option(1, known_as=("gradient_accumulation_steps",), help="micro-batches per optimizer step")
+    steps: int = option(40, resumable=True, known_as=("max_steps", "num_steps"),
+                        help="optimizer steps (per task in a sequence)")
+    lr: float = option(3e-4, known_as=("learning_rate",), help="base learning rate (AdamW)")
+    warmup_steps: int = option(4, known_as=("warmup",), help="linear warmup steps before the cosine decay")
     weight_decay: float = option(0.01, help="AdamW weight decay")
     optim: str = option("adamw_torch", help=(
         "optimizer of the trainable weights (Hugging Face's `optim` names): `adamw_torch` (AdamW, float32 moments: "
@@ -53,11 +57,11 @@ class TrainOptions:
         "the CPU it is adamw_8bit); every group's own rate (ADEPT's per-unit rates) is honoured; the 8-bit ones "
         "need `pip install 'adept-ext[quantization]'` and are not offered with --parallel fsdp2"))
     max_grad_norm: float = option(1.0, help="gradient clipping norm (0 = off)")
-    logging_steps: int = option(1, help=(
+    logging_steps: int = option(1, resumable=True, affects_results=False, help=(
         "read the training loss from the device every N steps (and at the last) and log the mean over those steps, "
         "as Hugging Face's `logging_steps`: report.json's history, the progress bar and `--report-to` get one entry "
         "per N steps (tokens/s over them, the grad norm and lr of the step); 1 logs every step"))
-    gradient_checkpointing: bool = option(False, help=(
+    gradient_checkpointing: bool = option(False, resumable=True, help=(
         "recompute each decoder layer's activations in the backward pass (Hugging Face's non-reentrant activation "
         "checkpointing): less memory, the same losses, about one more forward per step"))
     attn_implementation: str = option("auto", help=(
@@ -65,27 +69,28 @@ class TrainOptions:
         "Gemma 2), `sdpa` (PyTorch's scaled_dot_product_attention), `eager`, or `flash_attention_2` (needs the "
         "flash-attn package and a CUDA GPU); a backend the model or the machine cannot run is refused before "
         "anything loads"))
-    loss_implementation: str = option("auto", help=(
+    loss_implementation: str = option("auto", resumable=True, help=(
         "next-token loss of training and evaluation: `auto` (the fused linear cross-entropy on the LM head, which "
         "never forms the batch × sequence × vocabulary logits, when the head is a plain linear map; else Hugging "
         "Face's, with the reason in the log and report.json), `fused` (refused when the head is not plain), `hf` "
         "(the model's own loss on full logits)"))
-    compile: bool = option(False, help=(
+    compile: bool = option(False, resumable=True, help=(
         "`torch.compile` each decoder layer in place for the training steps (the copies an expansion adds too; "
         "evaluation runs eager); the first steps pay the compilation; not with `--parallel fsdp2` yet (refused)"))
     mix_general: float = option(0.0, help=(
         "share of the training blocks drawn from the general corpus's training split (never its held-out or probe "
         "blocks), spread evenly over the batches: general-data mixing against forgetting (0 = off; in continual: "
         "of every task's blocks)"))
-    probe_blocks: int = option(8, help="general blocks used to probe layers and score units")
-    eval_blocks: int = option(16, help="held-out blocks per corpus for evaluation")
-    drift_tokens: int = option(512, help=(
+    probe_blocks: int = option(8, commands=("probe", "expand", "diagnose"),
+                               help="general blocks used to probe layers and score units")
+    eval_blocks: int = option(16, commands=("eval", "diagnose"), help="held-out blocks per corpus for evaluation")
+    drift_tokens: int = option(512, affects_results=False, help=(
         "the drift signal: the mean KL divergence of the model's next-token distributions from the base model's "
         "at the first N labelled positions of the held-out general rows (all of them where they hold fewer), at "
         "every evaluation (`kl_to_base` in report.json and to --report-to); the base's are kept on the host in "
         "float32, N × vocabulary × 4 bytes (512 positions: 100 MB at a 49k vocabulary); 0 = off"))
-    save_every: int = option(20, help="checkpoint every N steps (0 = never)")
-    seed: int = option(0, help="random seed (data split and order)")
+    save_every: int = option(20, resumable=True, affects_results=False, help="checkpoint every N steps (0 = never)")
+    seed: int = option(0, commands=TOOLS, help="random seed (data split and order)")
     bf16: str = option("auto", help="bf16 autocast: auto (GPUs that support it), on (also on the CPU), off")
     frozen_dtype: str = option("auto", help=(
         "dtype the weights that do not train are held in during a task: auto (bfloat16 under bf16 autocast, except "
@@ -96,15 +101,17 @@ class TrainOptions:
         "state too, unless --optim is 8-bit). The exact weights are kept on the host wherever holding rounds them, so "
         "nothing saved carries a rounding error: the runners hold them from the load on, evaluate the model as the "
         "steps see it (continual's rows: bfloat16, not 4 bits) and merge and save on the host"))
-    device: str = option("auto", help="auto, cpu or cuda")
+    device: str = option("auto", commands=TOOLS, resumable=True, help="auto, cpu or cuda")
     parallel: str = option("ddp", help=(
         "under torchrun: ddp (every rank holds the model) or fsdp2 (parameters, gradients and optimizer state "
         "sharded per decoder layer while training; not o_lora, deal, eoupct)"))
-    resume: bool = option(False, help="continue the run in --out from its last checkpoint")
-    overwrite: bool = option(False, help="replace an existing run in --out")
-    data_workers: int = option(0, help=(
+    resume: bool = option(False, resumable=True, one_way=True, affects_results=False,
+                          help="continue the run in --out from its last checkpoint")
+    overwrite: bool = option(False, commands=TOOLS, resumable=True, one_way=True, affects_results=False,
+                             help="replace an existing run in --out")
+    data_workers: int = option(0, resumable=True, affects_results=False, help=(
         "processes tokenising a file, folder or saved-dataset corpus (0 = the CPU count, at most 8)"))
-    dataloader_num_workers: int = option(0, help=(
+    dataloader_num_workers: int = option(0, resumable=True, affects_results=False, help=(
         "processes that build the training batches ahead of the steps (Hugging Face's dataloader_num_workers: "
         "torch DataLoader workers; pinned memory on a GPU): 0 builds them in the training process; the batches and "
         "their order are the same for any count; with --streaming at most 1 (one process reads a stream in order)"))
@@ -126,7 +133,7 @@ class TrainOptions:
         "ids restarting at each document and attention confined to it (TRL's padding-free bfd packing); held-out, "
         "probe and diagnosis rows stay one padded row per document or example; an architecture whose attention "
         "would cross documents is refused; not with --streaming"))
-    report_to: str = option("none", help=(
+    report_to: str = option("none", resumable=True, affects_results=False, help=(
         "live tracking (Hugging Face's names): `none`, or a comma-separated list of `tensorboard` (event files in "
         "`--out`/runs), `mlflow` (a local file store in `--out`/mlruns unless `MLFLOW_TRACKING_URI` is set), "
         "`wandb`, `trackio`; training loss, lr, grad norm, tokens/s, peak memory and ADEPT's rate statistics every "
@@ -139,26 +146,27 @@ class BenchmarkOptions:
     """Benchmark evaluation through EleutherAI's lm-evaluation-harness (`adept_ext.harness`), named as
     lm-eval's own command names them; a runner's options class inherits it (`RunOptions`)."""
 
-    benchmarks: str = option("", help=(
+    benchmarks: str = option("", commands=("eval",), help=(
         "lm-evaluation-harness task names, comma-separated (lm-eval's --tasks: its built-in tasks such as "
         "hellaswag or arc_easy, or the tasks of --include-path), scored in-process on the in-memory model: each "
         "metric with its stderr and item count in the report (docs/evaluation.md); needs `pip install "
         "\"adept-ext[lm-eval]\"`"))
-    include_path: str = option("", help=(
+    include_path: str = option("", commands=("eval",), help=(
         "a folder of lm-eval YAML task files (lm-eval's --include_path; a task over local files, `dataset_path: "
         "json` with `data_files`, runs offline); when it holds every task of --benchmarks, lm-eval's built-in "
         "tasks are not indexed. A YAML file's `!function` tags import and run Python files of the folder (warned "
         "at start): use only folders you trust"))
-    num_fewshot: int = option(-1, help="examples in context per item (lm-eval's --num_fewshot); -1: each task's own")
-    limit: int = option(-1, help=(
+    num_fewshot: int = option(-1, commands=("eval",),
+                              help="examples in context per item (lm-eval's --num_fewshot); -1: each task's own")
+    limit: int = option(-1, commands=("eval",), help=(
         "at most N items per task (lm-eval's --limit: a quick look, its stderr grows as N shrinks); -1: every item"))
-    apply_chat_template: bool = option(False, help=(
+    apply_chat_template: bool = option(False, commands=("eval",), help=(
         "render each item with the tokenizer's chat template (lm-eval's --apply_chat_template; for Instruct "
         "models)"))
-    fewshot_as_multiturn: bool = option(False, help=(
+    fewshot_as_multiturn: bool = option(False, commands=("eval",), help=(
         "the few-shot examples as alternating chat turns (lm-eval's --fewshot_as_multiturn, which its command "
         "turns on with the chat template); needs --apply-chat-template"))
-    log_samples: bool = option(False, help=(
+    log_samples: bool = option(False, commands=("eval",), affects_results=False, help=(
         "write every evaluated item (prompt, responses, metrics) as JSON lines to `--out` (lm-eval's --log_samples): "
         "benchmark_samples.jsonl (eval), benchmark_samples_base.jsonl and benchmark_samples_final.jsonl (run)"))
 
@@ -224,19 +232,32 @@ def check_merge_back(cfg, auto: bool):
                        "closest to the start")
 
 
-# Options that never change what a run computes: where it writes, how often it checkpoints or logs, what
-# it tracks, how many processes prepare its data (the batches are the same for any count), what it
-# measures beside the held-out losses (the drift signal).
-NOT_RESULTS = ("out", "overwrite", "resume", "save_every", "logging_steps", "report_to", "data_workers",
-               "dataloader_num_workers", "log_samples", "drift_tokens")
+def marked(cls, prop: str) -> List[str]:
+    """The options of `cls` (a runner's config) whose declaration sets `prop` (`option(..., resumable=True)`,
+    `one_way`, `commands`, ...: `methods.base.option`), in field order."""
+    return [f.name for f in fields(cls) if f.metadata.get(prop)]
+
+
+def not_results(cls) -> List[str]:
+    """The options of `cls` that never change what a run computes (`affects_results=False`: where it
+    writes, how often it checkpoints or logs, what it tracks, how many processes prepare its data,
+    what it measures beside the held-out losses)."""
+    return [f.name for f in fields(cls) if f.metadata.get("affects_results", True) is False]
+
+
+def other_names(cls, prop: str) -> Dict[str, str]:
+    """{other name: option} of `cls` for `prop` `former_names` (flags, TOML keys, older run.json keys
+    that still name an option) or `known_as` (other tools' names, suggested for an unknown option)."""
+    return {other: f.name for f in fields(cls) for other in f.metadata.get(prop, ())}
 
 
 def result_options(cfg) -> Dict:
     """The resolved options that determine a run's results: every option of `cfg` (a runner's config,
-    `with_method_options`) with its value, less `NOT_RESULTS` and the options only other methods than
+    `with_method_options`) with its value, less `not_results` and the options only other methods than
     `cfg.method` take. The comparison tools reuse a recorded run only where these are equal."""
+    left_out = not_results(type(cfg))
     return {f.name: getattr(cfg, f.name) for f in fields(cfg)
-            if f.name not in NOT_RESULTS
+            if f.name not in left_out
             and (f.metadata.get("methods") is None or cfg.method in f.metadata["methods"].defaults)}
 
 
@@ -254,7 +275,7 @@ def as_recorded_today(recorded: Dict, defaults: Dict) -> Dict:
     """A run's recorded `result_options` read with today's options (`defaults`: `result_options` of
     a default config of the same runner and method): an option it lacks, added after it ran, at its
     default (an option is added with the behaviour before it as its default), one no longer offered
-    left out, a former name (`RENAMED`) read as the name now. A changed default still tells the run
+    left out, a former name (`former_names`) read as the name now. A changed default still tells the run
     apart: its recorded value is the old one."""
     recorded = current_names(recorded)
     return {k: recorded.get(k, v) for k, v in defaults.items()}
@@ -280,7 +301,8 @@ def with_method_options(base: type, sequence: bool = False) -> type:
     if key not in _COMPOSED:
         specs = method_options(names, {f.name for f in fields(base)})
         extra = [(s.name, s.type if s.default is not None else Optional[s.type],
-                  field(default=s.default, metadata={"help": s.help(), "methods": s})) for s in specs.values()]
+                  field(default=s.default, metadata={"help": s.help(), "methods": s, **s.properties}))
+                 for s in specs.values()]
         _COMPOSED[key] = make_dataclass(base.__name__.replace("Options", "Config"), extra, bases=(base,),
                                         namespace={"__post_init__": _method_defaults, "__module__": base.__module__,
                                                    "__doc__": base.__doc__})
@@ -313,7 +335,7 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     checked: the runner's here, every method's by building its config (MethodError), the chosen
     method by creating it once. An option in `given` (what the user gave: flags, TOML keys) that
     only other methods take is refused (`foreign_options`). RunError on bad input."""
-    overrides = current_names(overrides)
+    overrides = current_names(overrides, cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -386,11 +408,11 @@ def options_from(cls, overrides: Dict, sequence: bool = False, given: Collection
     return cfg
 
 
-def current_names(options: Dict) -> Dict:
-    """`options` with a former option name (`RENAMED`: a flag, TOML key or an older run.json's key)
-    replaced by the option's name now; RunError when both are given."""
+def current_names(options: Dict, cls: type = TrainOptions) -> Dict:
+    """`options` with a former option name of `cls` (a runner's options; `former_names`: a flag, TOML
+    key or an older run.json's key) replaced by the option's name now; RunError when both are given."""
     options = dict(options)
-    for old, new in RENAMED.items():
+    for old, new in other_names(cls, "former_names").items():
         if old in options:
             if new in options:
                 raise RunError(f"{old} and {new} are one option ({old} is its former name): give one of them")
