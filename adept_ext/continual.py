@@ -30,7 +30,7 @@ from .errors import InputError, RunError
 from .methods import create
 from .methods.base import REGISTRY, option
 from .lm_loss import check_packing, loss_path
-from .models import load_model, to_device
+from .models import load_model, place_model
 from .report import plot_matrix, plot_series
 from .data.packing import packed_view
 from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
@@ -253,7 +253,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
                                                                    cfg.merge_back_min)
                 extras["merge_back"] = {"alpha": merge_back_alpha(cfg), "schedule": cfg.merge_back_schedule}
             if to_host:  # merged on the host, exact: on the device again, held, for the scores and the next task
-                to_device(model, device, torch.float32, hold)
+                place_model(model, device, torch.float32, hold)
             for p in model.parameters():
                 p.requires_grad_(False)
             rows.append(evaluator.row(model, f"after {task.name}"))

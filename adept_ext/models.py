@@ -377,7 +377,7 @@ def check_attention(attn_implementation: str, device="cpu"):
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def to_device(model, device, dtype: torch.dtype, hold: Optional[torch.dtype] = None):
+def place_model(model, device, dtype: torch.dtype, hold: Optional[torch.dtype] = None):
     """Every parameter and buffer of `model` on `device`, the floating-point ones in `dtype`, one
     tensor at a time (its 16-bit source freed as it goes: no second copy of the whole model); with
     `hold`, the floating-point parameters held in that dtype instead (`held.hold`: exact in `dtype`,
@@ -447,7 +447,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     model, `resolve_attention`; the model's `config._attn_implementation` says which ran).
     A checkpoint stored in 16 bits (config.json's `dtype`, `stored_dtype`) is read as stored
     (transformers maps its shards) and each tensor is made `dtype` on `device` one at a time
-    (`to_device`), so the host never holds the model in float32 (docs/design.md, "Precision");
+    (`place_model`), so the host never holds the model in float32 (docs/design.md, "Precision");
     with `hold` (bfloat16), each floating-point parameter is held in that dtype on `device` instead,
     exact in `dtype` (`held.hold`: its exact value on the host where the cast rounds), so the device
     never holds it in `dtype`.
@@ -492,7 +492,7 @@ def load_model(name_or_dir, dtype=torch.float32, device="cpu", attn_implementati
     except (OSError, ValueError, SafetensorError) as e:  # missing or corrupt weights, no usable tokenizer
         raise InputError(f"{path} cannot be loaded as a Hugging Face causal LM with its tokenizer: "
                          f"{' '.join(str(e).split())[:300] or type(e).__name__}") from e
-    to_device(model, device, dtype, hold)
+    place_model(model, device, dtype, hold)
     if str(name_or_dir) in EMBEDDED_MODELS:  # also for a cache converted before the name was set
         _name_embedded(model.config, str(name_or_dir))
     elif path != Path(name_or_dir):  # a Hub id: named as transformers names a model loaded by its id

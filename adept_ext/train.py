@@ -39,7 +39,7 @@ from .methods import create, method_names
 from .methods.base import option
 from .methods.freeze_deep import DIAGNOSIS_TASKS
 from .lm_loss import check_packing, loss_path
-from .models import load_model, to_device
+from .models import load_model, place_model
 from .report import plot_loss_curves, plot_merge_front
 from .training import drift
 from .training.options import TOOLS
@@ -415,7 +415,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         final, final_benchmarks, model = hooks.final, hooks.final_benchmarks, fit["model"]
         if cfg.merge_back:
             if hold is not None or cfg.frozen_dtype == "nf4":  # finished on the host: on the device, held, to score
-                to_device(model, device, torch.float32, hold)
+                place_model(model, device, torch.float32, hold)
             final, report["merge_back"] = merged_back(cfg, model, hooks, fit["step"], out if main else None, log)
             hooks.stage("merge_back", alpha=report["merge_back"]["alpha"])
             final_benchmarks = harness.for_run(cfg, model, tokenizer, out / "benchmark_samples_final.jsonl", tracker,

@@ -170,16 +170,16 @@ def test_a_killed_sequence_resumed_with_two_loader_workers_equals_the_uninterrup
 @pytest.mark.parametrize("workers", [0, 2])
 def test_on_a_gpu_the_loader_pins_once(workers, monkeypatch):
     """On a GPU the loader hands the loop pinned batches (a worker's through its pinning thread)
-    and `to_device` copies them without pinning them again."""
+    and `batch_to_device` copies them without pinning them again."""
     batches = numbered_batches(3)
     cfg = SimpleNamespace(steps=4, grad_accum=1, dataloader_num_workers=workers)
     got = list(batch_loader(batches, cfg, 0, torch.device("cuda"), 1, 0))
     assert all(v.is_pinned() for batch in got for v in batch.values())
     real_pin, pinned = torch.Tensor.pin_memory, []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a, **k: pinned.append(t) or real_pin(t, *a, **k))
-    on_gpu = [loop_module.to_device(batch, torch.device("cuda"), 100) for batch in got]
+    on_gpu = [loop_module.batch_to_device(batch, torch.device("cuda"), 100) for batch in got]
     assert not pinned
     for batch, i in zip(on_gpu, indexed(3, 4, 1, 1, 0)):
         assert all(v.is_cuda and torch.equal(v.cpu(), batches[i][k]) for k, v in batch.items())
-    loop_module.to_device(batches[0], torch.device("cuda"), 100)  # a batch of the caller's own: pinned here
+    loop_module.batch_to_device(batches[0], torch.device("cuda"), 100)  # a batch of the caller's own: pinned here
     assert len(pinned) == 3

@@ -170,8 +170,8 @@ def test_labels_are_checked_on_the_host_before_the_device():
     the host as it goes to the device."""
     ids = torch.tensor([[5, 6, 96], [0, 97, 3]])
     good = {"input_ids": ids, "labels": ids.masked_fill(ids == 97, -100)}
-    assert torch.equal(loop.to_device(good, torch.device("cpu"), 97)["labels"], good["labels"])
+    assert torch.equal(loop.batch_to_device(good, torch.device("cpu"), 97)["labels"], good["labels"])
     with pytest.raises(InputError, match=r"labels\[1, 1\] = 97 is outside the model's vocabulary \[0, 97\)"):
-        loop.to_device({"input_ids": ids, "labels": ids}, torch.device("cpu"), 97)
+        loop.batch_to_device({"input_ids": ids, "labels": ids}, torch.device("cpu"), 97)
     with pytest.raises(ValueError, match=r"labels\[0, 0\] = -1 "):
         check_labels({"labels": torch.tensor([[-1]])}, 97)

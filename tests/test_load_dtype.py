@@ -30,9 +30,9 @@ def test_read_as_stored_and_made_float32_tensor_by_tensor(checkpoints, monkeypat
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **kw: read.append(kw["dtype"]) or original(*a, **kw))
     converted = []
-    to_device = models.to_device
-    monkeypatch.setattr(models, "to_device", lambda model, *a: converted.append({p.dtype for p in model.parameters()})
-                        or to_device(model, *a))
+    place_model = models.place_model
+    monkeypatch.setattr(models, "place_model", lambda model, *a: converted.append({p.dtype for p in model.parameters()})
+                        or place_model(model, *a))
     bf16, f32 = (load_model(c)[0] for c in checkpoints)
     assert read == [torch.bfloat16, torch.float32] and converted == [{torch.bfloat16}, {torch.float32}]
     for (name, a), b in zip(bf16.state_dict().items(), f32.state_dict().values()):

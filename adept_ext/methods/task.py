@@ -62,14 +62,15 @@ class Task:
         """Install the method's optimizer-step hooks (ADEPT: per-unit rates; EoupCT: projection)."""
         self.method.attach(optimizer)
 
-    def to_device(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def batch_on_device(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The tensors of `batch` on the model's device (one already there is taken as it is)."""
         device = self.device
         return {k: v.to(device) for k, v in batch.items()}
 
     def batches(self, loader: Iterable[Dict[str, torch.Tensor]]):
         """The batches of `loader` on the model's device."""
         for batch in loader:
-            yield self.to_device(batch)
+            yield self.batch_on_device(batch)
 
     def loss(self, batch: Dict[str, torch.Tensor], model=None, num_items=None,
              micro_batches: int = 1) -> torch.Tensor:
@@ -78,7 +79,7 @@ class Task:
         (DDP), else the prepared model. For gradient accumulation pass `num_items`, the labelled
         tokens of the optimizer step (`lm_loss.labelled_tokens` over its micro-batches), and
         `micro_batches`, their number: the step's losses then sum to its mean over every labelled token."""
-        return self.method.loss(self.model if model is None else model, self.to_device(batch),
+        return self.method.loss(self.model if model is None else model, self.batch_on_device(batch),
                                 self.loss_implementation, num_items, micro_batches)
 
     def step_note(self) -> str:

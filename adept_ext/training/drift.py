@@ -14,7 +14,7 @@ import torch
 from .. import held
 from ..lm_loss import IGNORE_INDEX, base_model, final_hidden, packed_layout
 from ..models import adapter
-from .loop import to_device, vocab_size
+from .loop import batch_to_device, vocab_size
 
 CHUNK_ROWS = 256  # positions whose V logits are formed at once
 
@@ -57,7 +57,7 @@ def base_distributions(model, batches: Sequence[Dict[str, torch.Tensor]], tokens
             if left <= 0:
                 break
             with held.autocast_for(model, device):
-                log_probs = position_log_probs(model, to_device(batch, device, vocab), left)
+                log_probs = position_log_probs(model, batch_to_device(batch, device, vocab), left)
             reference.append(log_probs.cpu())
             left -= len(log_probs)
     finally:
@@ -76,7 +76,7 @@ def mean_kl(model, batches: Sequence[Dict[str, torch.Tensor]], reference: List[t
     try:
         for batch, base in zip(batches, reference):
             with held.autocast_for(model, device):
-                current = position_log_probs(model, to_device(batch, device, vocab), len(base))
+                current = position_log_probs(model, batch_to_device(batch, device, vocab), len(base))
             total += float(kl_from_base(base.to(device), current).double().sum())
             count += len(base)
     finally:

@@ -1,6 +1,6 @@
 """The training loop's micro-batches through a `torch.utils.data.DataLoader`: which batches a rank
 reads from a step on (the order a resumed run continues), read ahead by `--dataloader-num-workers`
-worker processes and, on a GPU, pinned by the loader (`loop.to_device` then pins nothing again)."""
+worker processes and, on a GPU, pinned by the loader (`loop.batch_to_device` then pins nothing again)."""
 import os
 import sys
 

@@ -31,7 +31,7 @@ def vocab_size(model) -> int:
     return adapter(base_model(model)).lm_head.weight.shape[0]
 
 
-def to_device(batch: Dict[str, torch.Tensor], device: torch.device, vocab: int) -> Dict[str, torch.Tensor]:
+def batch_to_device(batch: Dict[str, torch.Tensor], device: torch.device, vocab: int) -> Dict[str, torch.Tensor]:
     """A batch built on the host, its labels checked there (`data.check_labels`, InputError), on
     `device`: on a GPU copied from pinned memory (pinned here unless the training loader pinned
     it), so that the copy does not wait for the work queued before it. A batch already on a GPU
@@ -57,7 +57,7 @@ def evaluate(model, batches, device, desc="eval", progress=True, loss_implementa
     try:
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             n = int(lm_loss.labelled_tokens([batch]))  # on the host, before the batch moves
-            batch = to_device(batch, device, vocab)
+            batch = batch_to_device(batch, device, vocab)
             with held.autocast_for(model, device):
                 total += float(next_token_loss(model, batch, loss_implementation)) * n
             count += n
@@ -163,7 +163,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
     """AdamW steps from `step` up to `cfg.steps` over `batches` (a sequence of host batches, cycled,
     or a `data.StreamBatches`), `cfg.grad_accum` micro-batches per step and rank read through
     `loader.batch_loader` (its order: the same batches whatever the step a run resumed at and the
-    number of loader workers, which stop when the steps end or fail) and `to_device`; bf16
+    number of loader workers, which stop when the steps end or fail) and `batch_to_device`; bf16
     autocast when `bf16`, gradient clipping; the loss from `task.loss`; calls `after_step(step)`
     after each step. Returns the step.
     A micro-batch's loss is its share of the step's mean over every labelled token of the step's
@@ -192,7 +192,7 @@ def train_steps(model, task: Task, optimizer, scheduler, batches, cfg, device, b
                 started = time.perf_counter()
             read = (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.steps
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = [to_device(next(loader), device, vocab) for _ in range(cfg.grad_accum)]
+            micro_batches = [batch_to_device(next(loader), device, vocab) for _ in range(cfg.grad_accum)]
             num_items = step_items(micro_batches, world)
             for i, batch in enumerate(micro_batches):
                 with gradient_sync(model, i + 1 == len(micro_batches)):
