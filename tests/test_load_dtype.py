@@ -7,7 +7,7 @@ from test_continual import quiet
 from test_train import options, workspace  # noqa: F401 (module-scoped fixture)
 from transformers import AutoModelForCausalLM
 
-import adept_ext.models as models
+import adept_ext.models.loading as loading
 from adept_ext.models import load_model
 from adept_ext.train import run
 
@@ -30,9 +30,12 @@ def test_read_as_stored_and_made_float32_tensor_by_tensor(checkpoints, monkeypat
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **kw: read.append(kw["dtype"]) or original(*a, **kw))
     converted = []
-    place_model = models.place_model
-    monkeypatch.setattr(models, "place_model", lambda model, *a: converted.append({p.dtype for p in model.parameters()})
-                        or place_model(model, *a))
+    place_model = loading.place_model
+    def recorded(model, *args):
+        converted.append({p.dtype for p in model.parameters()})
+        return place_model(model, *args)
+
+    monkeypatch.setattr(loading, "place_model", recorded)
     bf16, f32 = (load_model(c)[0] for c in checkpoints)
     assert read == [torch.bfloat16, torch.float32] and converted == [{torch.bfloat16}, {torch.float32}]
     for (name, a), b in zip(bf16.state_dict().items(), f32.state_dict().values()):

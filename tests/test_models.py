@@ -175,8 +175,8 @@ def test_a_concurrent_conversion_of_the_embedded_model_is_not_an_error(tmp_path,
         (Path(dst) / "config.json").write_text("{}")  # the other process's finished copy
         replace(src, dst)
 
-    monkeypatch.setattr(models.os, "replace", other_process_wins)
-    assert models._embedded_checkpoint("smollm2-135m") == tmp_path / "smollm2-135m"
+    monkeypatch.setattr(models.loading.os, "replace", other_process_wins)
+    assert models.loading._embedded_checkpoint("smollm2-135m") == tmp_path / "smollm2-135m"
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m"]  # no temporary copy left behind
 
 
@@ -194,19 +194,19 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_its_weights_are_r
     assert models.loaded_bytes(saved.config, torch.float32) == need
     assert models.loaded_bytes(saved.config, torch.bfloat16) == need // 2
     assert saved.config.dtype == torch.float32  # counted on a copy: the config still says how it is stored
-    monkeypatch.setattr(models, "free_memory", lambda device: need)
+    monkeypatch.setattr(models.loading, "free_memory", lambda device: need)
     assert load_model(path)[0].config.model_type == "llama"  # it just fits
     # held in bfloat16 from the load on (`run`): on the CPU beside the float32 values it rounds
-    monkeypatch.setattr(models, "free_memory", lambda device: need + need // 2)
+    monkeypatch.setattr(models.loading, "free_memory", lambda device: need + need // 2)
     assert load_model(path, hold=torch.bfloat16)[0].config.model_type == "llama"
-    monkeypatch.setattr(models, "free_memory", lambda device: need + need // 2 - 1)
+    monkeypatch.setattr(models.loading, "free_memory", lambda device: need + need // 2 - 1)
     with pytest.raises(ValueError, match=r"loaded \(bfloat16\) but cpu"):
         load_model(path, hold=torch.bfloat16)
 
     def no_read(*args, **kwargs):
         raise AssertionError("the weights were read")
 
-    monkeypatch.setattr(models, "free_memory", lambda device: need - 1)
+    monkeypatch.setattr(models.loading, "free_memory", lambda device: need - 1)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_read)
     with pytest.raises(ValueError, match=r"the model takes 0\.0 GiB loaded \(float32\) but cpu has 0\.0 GiB free: "
                                          "use a device with more memory or a smaller model") as e:
