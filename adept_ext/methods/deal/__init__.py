@@ -29,290 +29,23 @@ base weights never change, the adapter is applied by forward hooks between tasks
 finished model's `save_pretrained`, beside the base weights; `load_adapter` puts it back on the
 reloaded model. θ is folded into A after each task.
 """
-import copy
-import math
-import types
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Dict, List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..errors import InputError
-from .base import MethodError, Setup, option, register, train_only
-from .lora import SeqLora, SeqLoraConfig, add_lora, lora_adapters
+from ..base import MethodError, Setup, option, register, train_only
+from ..lora import SeqLora, SeqLoraConfig, add_lora, lora_adapters
+from .adapter_file import ADAPTER_FILE, PublicCodeAdapter, detach_adapter, load_adapter, mlp_on_output
+from .filters import ActivationMLP, Factor, Haar2dFilter, HaarFilter, WaveletFilter
+
+__all__ = ["ADAPTER_FILE", "Deal", "DealConfig", "load_adapter"]
 
 FILTERS = ("wavelet", "haar")
 FILTER_ON = ("ab", "a", "b")
 VARIANTS = ("paper", "public_code")
-ADAPTER_FILE = "deal_adapter.safetensors"  # deal_variant public_code: the task's adapter (not mergeable)
-ADAPTER_ATTR = "deal_adapter"  # the PublicCodeAdapter a model carries (a plain attribute, not a submodule)
-
-
-class WaveletFilter(nn.Module):
-    """The paper's retention filter on a factor Y [r, n] = U diag(s) Vᵀ: a learned shrinkage of its
-    spectrum by a multi-scale network of heat kernels φ_j(s̃) = exp(−(s̃ − c_j)²/2σ_j²) on the
-    normalised singular values s̃ = s/max(s), with learnable centres c_j = c_j⁰ + δ_j (c⁰ evenly
-    spaced on [0, 1]) and diagonal gains g_j (one per singular component), σ_j = 2^−(j+1):
-        X̂ = U diag(s_k (1 + Σ_j g_jk φ_j(s̃_k))) Vᵀ
-    — the learnable form of the minimum-variance estimate Σ_k (σ_k² − σ_D²)/σ_k u_k v_kᵀ. θ_retain
-    = {g, δ}, both 0 at the start, where the residual X̂ − Y it returns is exactly 0."""
-
-    def __init__(self, y: torch.Tensor, scales: int):
-        super().__init__()
-        u, s, vh = torch.linalg.svd(y.detach().float(), full_matrices=False)
-        for name, value in (("u", u), ("s", s), ("vh", vh), ("s_norm", s / s.max().clamp_min(1e-12)),
-                            ("widths", 2.0 ** -torch.arange(2, scales + 2, dtype=torch.float32)),
-                            ("centres", torch.linspace(0.0, 1.0, scales))):
-            self.register_buffer(name, value, persistent=False)
-        self.shifts = nn.Parameter(torch.zeros(scales))
-        self.gains = nn.Parameter(torch.zeros(scales, len(s)))
-
-    def forward(self) -> torch.Tensor:
-        centres = self.centres + self.shifts
-        phi = torch.exp(-(self.s_norm - centres[:, None]).square() / (2 * self.widths[:, None].square()))
-        return (self.u * (self.s * (self.gains * phi).sum(0))) @ self.vh
-
-
-class HaarFilter(nn.Module):
-    """The public code's simplification: a one-level Haar DWT of Y [r, n] along n whose
-    approximation coefficients are scaled by 1 + θ_k (one per rank component) before the inverse
-    DWT. The inverse is linear, so the residual is θ_k times the pairwise means of Y (columns 2i,
-    2i+1; an odd last column is left alone); exactly 0 at the start (θ = 0)."""
-
-    def __init__(self, y: torch.Tensor, scales: int):
-        super().__init__()
-        y = y.detach().float()
-        pairs = y.shape[1] // 2 * 2
-        means = torch.zeros_like(y)
-        means[:, :pairs] = y[:, :pairs].reshape(len(y), -1, 2).mean(-1).repeat_interleave(2, dim=1)
-        self.register_buffer("means", means, persistent=False)
-        self.theta = nn.Parameter(torch.zeros(len(y)))
-
-    def forward(self) -> torch.Tensor:
-        return self.theta[:, None] * self.means
-
-
-class Update(nn.Module):
-    """The controlled update: an MLP x ↦ B relu(Ω x), r → max(128, r/2) → r, on each r-vector x of
-    X̂ (a column of A, a row of B); θ_update = {Ω, B}. B starts at zero, so the residual starts at
-    0. No biases: a bias adds the same vector to every column of A (row of B) — an update along
-    the all-ones input (output) direction that dominates at LoRA's scale (docs/methods.md §4)."""
-
-    def __init__(self, r: int):
-        super().__init__()
-        self.inner = nn.Linear(r, max(128, r // 2), bias=False)
-        self.outer = nn.Linear(self.inner.out_features, r, bias=False)
-        nn.init.zeros_(self.outer.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [r, n] -> [r, n]
-        return self.outer(torch.relu(self.inner(x.T))).T
-
-
-class Haar2dFilter(nn.Module):
-    """The public code's filter of lora_A (a parametrization of A [r, d_in]): pytorch_wavelets'
-    one-level 2-D Haar DWT (zero padding) of A, its approximation coefficients cA (2×2 block sums / 2)
-    scaled by θ (one per coefficient, init 1), the details kept, and the inverse DWT. The inverse is
-    linear and puts cA/2 on each entry of its block, so Ã = A + upsample((θ − 1) ⊙ blocksum(A) / 4)."""
-
-    def __init__(self, shape):
-        super().__init__()
-        self.theta = nn.Parameter(torch.ones((shape[0] + 1) // 2, (shape[1] + 1) // 2))
-
-    def forward(self, a: torch.Tensor) -> torch.Tensor:
-        r, d = a.shape
-        blocks = F.pad(a, (0, d % 2, 0, r % 2)).reshape(len(self.theta), 2, -1, 2).sum((1, 3))
-        change = ((self.theta - 1) * blocks / 4).repeat_interleave(2, 0).repeat_interleave(2, 1)
-        return a + change[:r, :d]
-
-
-class ActivationMLP(nn.Module):
-    """The public code's update on the LoRA activations z = Ã x: fc2(relu(fc1(z))), r → max(128, r/2)
-    → r, with biases; weights Kaiming-uniform (ReLU gain), biases 0; no residual."""
-
-    def __init__(self, r: int):
-        super().__init__()
-        self.fc1 = nn.Linear(r, max(128, r // 2))
-        self.fc2 = nn.Linear(self.fc1.out_features, r)
-        for layer in (self.fc1, self.fc2):
-            nn.init.kaiming_uniform_(layer.weight, nonlinearity="relu")
-            nn.init.zeros_(layer.bias)
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(z)))
-
-
-def _mlp_on_output(mlp):
-    """A forward hook that replaces a module's output z by mlp(z)."""
-    return lambda module, inputs, output: mlp(output)
-
-
-def _adapter_on_output(a, b, scaling, mlp):
-    """A forward hook adding s·B·MLP(A x) (s·B·A x without an MLP) to a projection's output, on the
-    input's device (the adapter is attached where the task ends, on the host under held weights)."""
-    placed = {}
-
-    def hook(module, inputs, output):
-        x = inputs[0]
-        if x.device not in placed:
-            moved = copy.deepcopy(mlp).to(x.device) if mlp is not None else None
-            placed[x.device] = a.to(x.device), b.to(x.device), moved
-        a_, b_, mlp_ = placed[x.device]
-        z = F.linear(x.to(a_.dtype), a_)
-        return output + scaling * F.linear(mlp_(z) if mlp_ is not None else z, b_).to(output.dtype)
-    return hook
-
-
-class PublicCodeAdapter:
-    """The public code's adapter between tasks, on the plain (unmerged) model: h = W₀x + s·B·MLP(Ã x)
-    on each adapted projection (s·B·Ã x after task 1, which has no MLP), applied by forward hooks.
-    `factors`: module name -> (Ã [r, d_in], B [d_out, r]), float32; `mlps`: module name -> the
-    task's ActivationMLP (float32, frozen). While attached, the model's `save_pretrained` writes it
-    beside the weights as ADAPTER_FILE (and `deal_adapter` into config.json): a saved model is
-    never the base model alone. `load_adapter` reads it back."""
-
-    def __init__(self, factors: Dict[str, tuple], mlps: Dict[str, nn.Module], scaling: float):
-        self.factors, self.scaling = dict(factors), float(scaling)
-        self.mlps = {name: mlp.float().requires_grad_(False) for name, mlp in mlps.items()}
-        self.handles = []
-
-    def tensors(self) -> Dict[str, torch.Tensor]:
-        tensors = {f"{name}.{key}": t.detach().float().cpu().contiguous() for name, (a, b) in self.factors.items()
-                   for key, t in (("lora_A", a), ("lora_B", b))}
-        tensors.update({f"{name}.mlp.{k}": v.detach().float().cpu().contiguous()
-                        for name, mlp in self.mlps.items() for k, v in mlp.state_dict().items()})
-        return tensors
-
-    def save(self, path: Path):
-        """Write the adapter (A, B, the MLP's weights; the scaling in the metadata) to `path`."""
-        from safetensors.torch import save_file
-
-        save_file(self.tensors(), str(path), metadata={"scaling": str(self.scaling)})
-
-    @classmethod
-    def read(cls, path: Path) -> "PublicCodeAdapter":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            scaling = (f.metadata() or {}).get("scaling")
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-        if scaling is None:
-            raise InputError(f"{path}: not a DEAL adapter (no scaling in its metadata)")
-        names = [key.removesuffix(".lora_A") for key in tensors if key.endswith(".lora_A")]
-        if not names or any(f"{name}.lora_B" not in tensors for name in names):
-            raise InputError(f"{path}: not a DEAL adapter (lora_A and lora_B of each projection expected)")
-        mlps = {}
-        for name in names:
-            state = {k.removeprefix(f"{name}.mlp."): v for k, v in tensors.items() if k.startswith(f"{name}.mlp.")}
-            if state:
-                mlps[name] = ActivationMLP(len(tensors[f"{name}.lora_A"]))
-                mlps[name].load_state_dict(state)
-        return cls({name: (tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"]) for name in names}, mlps,
-                   float(scaling))
-
-    def attach(self, model):
-        """Hook the adapter onto `model`'s projections (replacing one it carries) and make its
-        save_pretrained write the adapter too."""
-        modules = dict(model.named_modules())
-        misfits = [name for name, (a, b) in self.factors.items() if name not in modules
-                   or tuple(modules[name].weight.shape) != (b.shape[0], a.shape[1])]
-        if misfits:
-            raise InputError(f"the DEAL adapter does not fit this model: projections {misfits[:3]} are missing or "
-                             f"of another shape")
-        detach_adapter(model)
-        for name, (a, b) in self.factors.items():
-            device = modules[name].weight.device
-            self.factors[name] = a, b = a.to(device), b.to(device)
-            mlp = self.mlps[name].to(device) if name in self.mlps else None
-            self.handles.append(modules[name].register_forward_hook(_adapter_on_output(a, b, self.scaling, mlp)))
-        setattr(model, ADAPTER_ATTR, self)
-        model.save_pretrained = types.MethodType(_save_with_adapter, model)
-
-    def detach(self, model):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        for attribute in (ADAPTER_ATTR, "save_pretrained"):
-            vars(model).pop(attribute, None)
-
-
-def detach_adapter(model):
-    """Take the public code's adapter off `model`, if it carries one (hooks and saving)."""
-    adapter = vars(model).get(ADAPTER_ATTR)
-    if adapter is not None:
-        adapter.detach(model)
-
-
-def _save_with_adapter(model, save_directory, *args, **kwargs):
-    """save_pretrained of a model carrying a PublicCodeAdapter: the base weights and config (which
-    names the adapter file), then the adapter beside them."""
-    config, had = model.config, "deal_adapter" in vars(model.config)
-    previous = vars(config).get("deal_adapter")
-    config.deal_adapter = ADAPTER_FILE
-    try:
-        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
-    finally:
-        if had:
-            config.deal_adapter = previous
-        else:
-            del config.deal_adapter
-    if kwargs.get("is_main_process", True):
-        getattr(model, ADAPTER_ATTR).save(Path(save_directory) / ADAPTER_FILE)
-    return result
-
-
-def load_adapter(model, path):
-    """Put back the adapter of DEAL's public_code variant that `save_pretrained` wrote beside a
-    finished model's weights (`path`: that folder or the file itself):
-
-        model = AutoModelForCausalLM.from_pretrained(folder)  # the base weights alone
-        load_adapter(model, folder)                            # the model `task.finish()` returned
-
-    Returns `model`, its forward hooked as after `finish()` and its save_pretrained writing the
-    adapter again. InputError when there is no adapter or it does not fit the model."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / ADAPTER_FILE
-    if not path.is_file():
-        raise InputError(f"{path}: no DEAL adapter here (deal_variant public_code writes {ADAPTER_FILE} beside the "
-                         f"weights)")
-    PublicCodeAdapter.read(path).attach(model)
-    return model
-
-
-class Factor(nn.Module):
-    """Parametrization of one PEFT factor from the frozen Y₀ (rank-major [r, n]): the filtered and
-    updated residual ΔY = (X̂ − Y₀) + MLP(X̂) (when this factor is filtered, else 0) and the fresh
-    term's factor F (when `new_rank` > 0). For lora_A [2r + m, d_in] = [ΔA; A₀; F_A]; for
-    lora_B [d_out, 2r + m] = [B', ΔB, F_Bᵀ]. F_A starts as PEFT's lora_A (Kaiming-uniform), F_B at 0."""
-
-    def __init__(self, y0: torch.Tensor, is_b: bool, filter_cls, scales: int, filtered: bool, new_rank: int):
-        super().__init__()
-        self.is_b, self.r = is_b, y0.shape[0]
-        self.filter = filter_cls(y0, scales) if filtered else None
-        self.update = Update(self.r) if filtered else None
-        fresh = torch.zeros(new_rank, y0.shape[1])
-        if not is_b:
-            nn.init.kaiming_uniform_(fresh, a=math.sqrt(5))
-        self.fresh = nn.Parameter(fresh) if new_rank else None
-
-    def delta(self, y0: torch.Tensor) -> torch.Tensor:
-        if self.filter is None:
-            return torch.zeros_like(y0)
-        filtered = self.filter()
-        return filtered + self.update(y0 + filtered)
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        fresh = [] if self.fresh is None else [self.fresh]
-        if self.is_b:
-            y0 = weight[:, :self.r]
-            d = self.delta(y0.T).T
-            return torch.cat([y0 + d, d] + [f.T for f in fresh], 1)
-        y0 = weight[self.r:2 * self.r]
-        return torch.cat([self.delta(y0), y0] + fresh)
 
 
 @dataclass(kw_only=True)
@@ -427,7 +160,7 @@ class Deal(SeqLora):
             haar = Haar2dFilter(a.shape).to(a)
             parametrize.register_parametrization(lora_a, "weight", haar)
             self.mlps[name] = ActivationMLP(r).to(a)
-            self.hooks.append(lora_a.register_forward_hook(_mlp_on_output(self.mlps[name])))
+            self.hooks.append(lora_a.register_forward_hook(mlp_on_output(self.mlps[name])))
             a_params.append(lora_a.parametrizations.weight.original)
             self.retain.append(haar.theta)
             self.updates += list(self.mlps[name].parameters())
