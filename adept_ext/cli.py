@@ -161,11 +161,11 @@ def resolve_config(args):
 
 
 def _probe_or_expand(cfg, command, progress):
-    from .data import corpus_blocks, split_views
+    from .data import corpus_blocks, data_workers, split_views
     from .expand import expand_layers
     from .models import load_model
     from .probe import layer_importance
-    from .training import check_out, data_workers, device_for, prepare_out
+    from .training import check_out, device_for, prepare_out
 
     check_out(cfg, command)
     try:
@@ -194,7 +194,7 @@ def _probe_or_expand(cfg, command, progress):
 def _load(cfg, command):
     """(model, corpora, output directory) after every input has been checked."""
     from .models import load_model
-    from .train import Corpora
+    from .data import Corpora
     from .training import check_out, device_for, prepare_out
 
     check_out(cfg, command)

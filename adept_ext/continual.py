@@ -32,13 +32,12 @@ from .methods.base import REGISTRY, option
 from .lm_loss import check_packing, loss_path
 from .models import load_model, place_model
 from .report import plot_matrix, plot_series
-from .data.packing import packed_view
-from .data.tasks import answer_scores, general_blocks, load_tasks, scored_by
+from .data.tasks import answer_scores, scored_by
 from .data.truncation import report_entries
 from .training import drift
 from .training.options import TOOLS
 from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
-                       atomic_write, check_memory, check_merge_back, check_out, data_workers, device_for, evaluate,
+                       atomic_write, check_memory, check_merge_back, check_out, device_for, evaluate,
                        fit_task, frozen_dtype_for, merge_back_alpha, options_from, peak_memory_mb, prepare_out,
                        read_checkpoint, remove_stale_shards, rng_state, set_rng_state, use_bf16, with_method_options)
 
@@ -177,34 +176,16 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         if cfg.packing:
             check_packing(model, cfg.batch_size, torch.bfloat16 if bf16 else None)  # as the steps run
         loss = loss_path(model, cfg.loss_implementation)
-        workers = data_workers(cfg)
-        with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
-            tasks = load_tasks(cfg.tasks, tokenizer, cfg.max_length, cfg.seed, workers, cfg.chat_template,
-                               cfg.train_on_prompt, cfg.packing, cfg.truncation_mode)
-            general = general_blocks(cfg.general, tokenizer, cfg.max_length, workers, cfg.packing)
-            g_train, g_held = data.split_views(general, cfg.seed, "the general corpus")
+        sequence = data.TaskSequence(cfg, tokenizer)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
+    tasks = sequence.tasks
     check_memory(cfg, model, bf16)
-    examples = report_entries({t.name: t.train.source for t in tasks}, log)  # report.json's "data"
+    examples = report_entries(sequence.sources, log)  # report.json's "data"
     log(f"loss: {loss}")
     out = prepare_out(cfg, "continual") if main else out
     parallel.barrier(device)
-    general_probe = list(g_train.first(cfg.probe_blocks).batches(cfg.batch_size))
-    general_mixed = g_train.after(cfg.probe_blocks)  # --mix-general draws from here: never probe or held-out blocks
-
-    def train_batches(t):
-        """Task t's training batches: the method's blocks (replay adds earlier tasks') with a
-        `mix_general` share of general blocks, seeded per task (`--packing`: of packed rows)."""
-        mixed = data.mix_blocks(method.train_blocks(train_rows, t), mixed_rows, cfg.mix_general, cfg.seed * 1000 + t)
-        return mixed.batches(cfg.batch_size)
-    evaluator = Evaluator(cfg, tasks, list(g_held.first(cfg.eval_blocks).batches(cfg.batch_size)), device,
-                          tokenizer.eos_token_id, progress, method)
-    blocks = [t.train for t in tasks]
-    train_rows, mixed_rows = blocks, general_mixed
-    if cfg.packing:  # documents (examples) packed into the training rows; probes and held-out sets stay one per row
-        train_rows, mixed_rows = ([packed_view(b, cfg.max_length, data.pad_id(tokenizer), cfg.seed) for b in blocks],
-                                  packed_view(general_mixed, cfg.max_length, data.pad_id(tokenizer), cfg.seed))
+    evaluator = Evaluator(cfg, tasks, sequence.general_eval, device, tokenizer.eos_token_id, progress, method)
 
     if checkpoint and checkpoint["completed"] > 0:  # the base model freed first: the load checks the free memory
         model = None
@@ -241,10 +222,9 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
             hooks.first_step = checkpoint["step"] if resuming else 0
             extras = {}
             fit = fit_task(model, method, cfg, device, bf16,
-                           lambda prepared, t=t: train_batches(t), task_history,
+                           lambda prepared, t=t: sequence.train_batches(t, method.train_blocks), task_history,
                            out=out, desc=f"task {t + 1}/{len(tasks)} {task.name} ({cfg.method})",
-                           general_probe=general_probe,
-                           domain_probe=list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size)), task_index=t,
+                           general_probe=sequence.general_probe, domain_probe=sequence.domain_probe(t), task_index=t,
                            checkpoint=checkpoint if resuming else None, hooks=hooks, artifacts=task_dir, report=extras,
                            tracker=tracker, step_offset=t * cfg.steps, progress=progress, to_host=to_host, log=log)
             model = fit["model"]

@@ -31,8 +31,6 @@ import torch
 from . import data, harness, held, merge_back, parallel
 from .errors import InputError, RunError
 from .lens import Diagnosis, diagnose
-from .data.packing import packed_view
-from .data.tasks import corpus_or_examples, is_instruction_file
 from .data.truncation import report_entries
 from .lens_inputs import context_query_task, fewshot_topic_task
 from .methods import create, method_names
@@ -44,7 +42,7 @@ from .report import plot_loss_curves, plot_merge_front
 from .training import drift
 from .training.options import TOOLS
 from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
-                       atomic_write, check_memory, check_merge_back, check_out, data_workers, device_for, evaluate,
+                       atomic_write, check_memory, check_merge_back, check_out, device_for, evaluate,
                        fit_task, frozen_dtype_for, held_as_frozen, merge_back_alpha, options_from, peak_memory_mb,
                        prepare_out, read_checkpoint, remove_stale_shards, use_bf16, with_method_options)
 
@@ -111,8 +109,8 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
         raise RunError(f"--streaming reads the domain corpus as one stream in corpus order, which one loader process "
                        f"does (Hugging Face datasets would split the corpus's files among several): "
                        f"--dataloader-num-workers 0 or 1, not {cfg.dataloader_num_workers}")
-    domain_sources(cfg)  # RunError for weights that do not fit the sources
-    if cfg.streaming and len(domain_sources(cfg)[0]) > 1:
+    data.domain_sources(cfg)  # RunError for weights that do not fit the sources
+    if cfg.streaming and len(data.domain_sources(cfg)[0]) > 1:
         raise RunError("--streaming reads one domain corpus in order; several --domain sources are interleaved from "
                        "their shuffled splits: give one source, or drop --streaming")
     if cfg.eval_every < 0:
@@ -125,98 +123,6 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
     if cfg.diagnosis_task not in DIAGNOSIS_TASKS:
         raise RunError(f"diagnosis_task must be one of {', '.join(DIAGNOSIS_TASKS)}, got {cfg.diagnosis_task!r}")
     return cfg
-
-
-def domain_sources(cfg) -> Tuple[List[str], List[float]]:
-    """--domain's sources (comma-separated) and their weights (--domain-weights; equal by default);
-    RunError for a weight that is not a finite number > 0, or a count that differs from the sources'."""
-    sources = [s.strip() for s in cfg.domain.split(",") if s.strip()]
-    if not sources:
-        raise RunError("--domain names no corpus")
-    if not cfg.domain_weights:
-        return sources, [1.0] * len(sources)
-    try:
-        weights = [float(w) for w in cfg.domain_weights.split(",")]
-    except ValueError:
-        raise RunError(f"--domain-weights {cfg.domain_weights}: give comma-separated numbers, e.g. 0.7,0.3") from None
-    if len(weights) != len(sources) or len(sources) < 2:
-        raise RunError(f"--domain-weights gives {len(weights)} weight(s) for {len(sources)} --domain source(s): give "
-                       f"one per source, and only for several")
-    if not all(w > 0 and math.isfinite(w) for w in weights):
-        raise RunError(f"--domain-weights {cfg.domain_weights}: every weight must be a finite number > 0")
-    return sources, weights
-
-
-class Corpora:
-    """Token blocks of both corpora: general probe + held-out, domain train + held-out.
-
-    Default: each corpus is cut into blocks (`data.corpus_blocks`: file, folder and saved-dataset
-    corpora through Hugging Face datasets, memory-mapped) and split by a seeded shuffle, 10 % held
-    out; the training batches are read lazily, with `mix_general` of them general blocks that are
-    neither held out nor probe or diagnosis blocks (`general_mixed`). `packing`: a text corpus is
-    one row per document (piece), and the training rows of both (domain, general mixed) are packed
-    (`data.packing.packed_view`); held-out, probe and diagnosis rows stay one per row. `streaming`: blocks in
-    corpus order (no shuffle, no cache): the first `eval_blocks` are held out, the probe blocks
-    follow, the domain's training batches are everything after the held-out blocks, read as the
-    run consumes them."""
-
-    def __init__(self, cfg, tokenizer):
-        self.tokenizer = tokenizer
-        self.sources = {}  # each corpus's blocks by its source (report.json's "data": `truncation.report_entries`)
-        with parallel.rank_zero_first():  # rank 0 tokenises and caches; the others then read its cache
-            self._streamed(cfg, tokenizer) if cfg.streaming else self._packed(cfg, tokenizer)
-
-    def _packed(self, cfg, tokenizer):
-        workers = data_workers(cfg)
-        sources, weights = domain_sources(cfg)
-        self.sources.update({source: corpus_or_examples(source, tokenizer, cfg.max_length, workers, cfg.chat_template,
-                                                        cfg.train_on_prompt, cfg.packing, cfg.truncation_mode)
-                             for source in (cfg.general, *sources)})
-        g_train, g_held = data.split_views(self.sources[cfg.general], cfg.seed, "the general corpus")
-        if cfg.domain_eval:
-            d_train = data.interleave_blocks([data.shuffled_view(self.sources[s], cfg.seed) for s in sources], weights,
-                                             cfg.seed)
-            d_held = data.BlockSet(corpus_or_examples(cfg.domain_eval, tokenizer, cfg.max_length, workers,
-                                                      cfg.chat_template, cfg.train_on_prompt, cfg.packing,
-                                                      cfg.truncation_mode))
-            self.sources[cfg.domain_eval] = d_held.source
-        else:
-            what = (lambda s: "the domain corpus") if len(sources) == 1 else (lambda s: f"the domain corpus {s}")
-            splits = [data.split_views(self.sources[s], cfg.seed, what(s)) for s in sources]
-            trains, helds = zip(*splits)
-            d_train = data.interleave_blocks(trains, weights, cfg.seed)
-            d_held = data.interleave_blocks(helds, weights, cfg.seed, repeat=False)  # each held-out block once
-        b = cfg.batch_size
-        self.general_probe = list(g_train.first(cfg.probe_blocks).batches(b))
-        self.general_context = list(g_train.first(cfg.diagnosis_queries).batches(b))  # diagnosis
-        self.general_eval = list(g_held.first(cfg.eval_blocks).batches(b))
-        self.domain_eval = list(d_held.first(cfg.eval_blocks).batches(b))
-        self.general_mixed = g_train.after(max(cfg.probe_blocks, cfg.diagnosis_queries))
-        train, mixed = d_train, self.general_mixed
-        if cfg.packing:  # documents (examples) packed into training rows; every other set stays one per row
-            pad = data.pad_id(tokenizer)
-            train, mixed = (packed_view(rows, cfg.max_length, pad, cfg.seed) for rows in (d_train, mixed))
-        self.domain_train = data.mix_blocks(train, mixed, cfg.mix_general, cfg.seed).batches(b)
-        self.domain_probe = list(d_train.first(cfg.probe_blocks).batches(b))  # placements
-
-    def _streamed(self, cfg, tokenizer):
-        if cfg.domain_eval:
-            raise InputError("--streaming holds out the first --eval-blocks of the domain stream; --domain-eval "
-                             "names a held-out set of its own: drop one of them")
-        for source in (cfg.general, cfg.domain):  # one --domain source (config_from)
-            if is_instruction_file(source):
-                raise InputError(f"{source}: instruction and conversational records are read whole, one block per "
-                                 f"example; --streaming reads text corpora")
-        general, domain = (data.BlockStream(source, tokenizer, cfg.max_length) for source in (cfg.general, cfg.domain))
-        e, b = cfg.eval_blocks, cfg.batch_size
-        g = general.take(e + max(cfg.probe_blocks, cfg.diagnosis_queries))
-        d = domain.take(e + cfg.probe_blocks)
-        self.general_eval = general.batches(g[:e], b)
-        self.general_probe = general.batches(g[e:e + cfg.probe_blocks], b)
-        self.general_context = general.batches(g[e:e + cfg.diagnosis_queries], b)
-        self.domain_eval = domain.batches(d[:e], b)
-        self.domain_probe = domain.batches(d[e:], b)
-        self.domain_train = data.StreamBatches(domain, e, b)
 
 
 def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:
@@ -381,7 +287,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         raise RunError(str(e)) from e
     check_memory(cfg, model, bf16)
     try:
-        corpora = Corpora(cfg, tokenizer)
+        corpora = data.Corpora(cfg, tokenizer)
     except (FileNotFoundError, InputError) as e:
         raise RunError(str(e)) from e
     out = prepare_out(cfg, "run") if main else Path(cfg.out)

@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from adept_ext import data
 from adept_ext.data import large_corpus
 from adept_ext.errors import RunError
-from adept_ext.train import Corpora, RunConfig, config_from
+from adept_ext.data import Corpora
+from adept_ext.train import RunConfig, config_from
 
 
 @pytest.fixture(scope="module")

@@ -253,7 +253,8 @@ def run_options(ws, out, **kw):
 
 def test_run_trains_on_packed_rows_and_evaluates_one_document_per_row(workspace, monkeypatch):
     import adept_ext.methods.base as base
-    from adept_ext.train import Corpora, run
+    from adept_ext.data import Corpora
+    from adept_ext.train import run
 
     cfg = run_options(workspace, "run", mix_general=0.25)
     from adept_ext.models import load_model

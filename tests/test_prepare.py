@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 
 import adept_ext
 from adept_ext import continual, data, train
-from adept_ext.data.tasks import general_blocks, load_tasks
 from adept_ext.errors import InputError
 from adept_ext.hf import MethodCallback
 from adept_ext.methods import REGISTRY
@@ -122,7 +121,7 @@ def test_prepare_equals_the_run(workspace, tmp_path, method, loop):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)
-    corpora = train.Corpora(cfg, tokenizer)
+    corpora = data.Corpora(cfg, tokenizer)
     task = adept_ext.prepare(model, method_of(cfg, False), general_probe=corpora.general_probe,
                              domain_probe=corpora.domain_probe, lr=cfg.lr, total_steps=cfg.steps,
                              diagnosis_batches=lambda: train.diagnosis_batches(cfg, corpora), progress=False)
@@ -145,16 +144,13 @@ def test_prepare_equals_the_sequence(workspace, tmp_path, method, loop):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)
-    tasks = load_tasks(cfg.tasks, tokenizer, cfg.max_length, cfg.seed)
-    g_train, _ = data.split_views(general_blocks(cfg.general, tokenizer, cfg.max_length), cfg.seed, "general")
-    probe = list(g_train.first(cfg.probe_blocks).batches(cfg.batch_size))
+    sequence = data.TaskSequence(cfg, tokenizer)  # what the runner trains on, as a user's loop builds it
     method_ = method_of(cfg, True)
-    blocks = [t.train for t in tasks]
-    for t in range(len(tasks)):
-        task = adept_ext.prepare(model, method_, general_probe=probe, lr=cfg.lr, total_steps=cfg.steps, task_index=t,
-                                 domain_probe=list(blocks[t].first(cfg.probe_blocks).batches(cfg.batch_size)),
+    for t in range(len(sequence.tasks)):
+        task = adept_ext.prepare(model, method_, general_probe=sequence.general_probe, lr=cfg.lr,
+                                 total_steps=cfg.steps, task_index=t, domain_probe=sequence.domain_probe(t),
                                  progress=False)
-        batches = method_.train_blocks(blocks, t).batches(cfg.batch_size)
+        batches = sequence.train_batches(t, method_.train_blocks)
         if loop == "plain":
             losses = plain_loop(task, batches, cfg)
             assert losses == pytest.approx([h["loss"] for h in report["history"][t]], rel=1e-6), f"task {t + 1}"

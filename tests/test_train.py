@@ -931,7 +931,7 @@ def test_mix_general_trains_on_general_blocks_never_held_out_or_probed(workspace
     still comes once; the run trains on that mixture (other losses than without) and --streaming
     is refused."""
     from adept_ext.models import load_model
-    from adept_ext.train import Corpora
+    from adept_ext.data import Corpora
 
     cfg = options(workspace, "mixed", mix_general=0.25, probe_blocks=2, diagnosis_queries=3)
     tokenizer = load_model(cfg.model)[1]
@@ -985,7 +985,7 @@ def test_several_domain_sources_are_interleaved_by_weight(workspace, tmp_path):
     from adept_ext.data import split_views
     from adept_ext.data.tasks import corpus_or_examples
     from adept_ext.models import load_model
-    from adept_ext.train import Corpora
+    from adept_ext.data import Corpora
 
     chats = [{"prompt": f"Colour number {i}?", "completion": " red"} for i in range(12)]
     (tmp_path / "qa.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
@@ -1012,7 +1012,7 @@ def test_a_fixed_domain_eval_set_is_held_out_and_every_domain_block_trains(works
     of --domain trains (in the seed's order), and the report's domain loss is measured on it."""
     from adept_ext.data import corpus_blocks
     from adept_ext.models import load_model
-    from adept_ext.train import Corpora
+    from adept_ext.data import Corpora
     from adept_ext.training import evaluate
 
     (tmp_path / "eval.txt").write_text((workspace / "general" / "0.txt").read_text())

@@ -6,14 +6,14 @@ from .checkpoint import (SHARDS, load_training_state, read_checkpoint, remove_st
 from .device import check_memory, device_for, frozen_dtype_for, held_as_frozen, peak_memory_mb, use_bf16
 from .loop import TaskHooks, evaluate, fit_task, optimizer_for, schedule, train_steps
 from .options import (BenchmarkOptions, MergeBackOptions, TrainOptions, as_recorded_today, check_benchmark_options,
-                      check_merge_back, check_types, data_workers, merge_back_alpha,
+                      check_merge_back, check_types, merge_back_alpha,
                       options_from, result_options, typed_options, with_method_options)
 from .rundir import CHECKPOINT, atomic_dir, atomic_write, check_out, prepare_out, saved_options
 from .tracking import Tracker, backends_of
 
 __all__ = ["BenchmarkOptions", "CHECKPOINT", "MergeBackOptions", "SHARDS", "TaskHooks", "Tracker", "TrainOptions",
            "as_recorded_today", "atomic_dir", "atomic_write", "backends_of", "check_benchmark_options",
-           "check_memory", "check_merge_back", "check_out", "check_types", "data_workers", "device_for", "evaluate",
+           "check_memory", "check_merge_back", "check_out", "check_types", "device_for", "evaluate",
            "fit_task", "frozen_dtype_for", "held_as_frozen", "load_training_state", "merge_back_alpha",
            "optimizer_for", "options_from", "peak_memory_mb", "prepare_out", "read_checkpoint",
            "remove_stale_shards", "result_options", "rng_state", "save_sharded_state", "saved_options", "schedule",

@@ -433,9 +433,3 @@ def check_types(cls, overrides: Dict):
                    or (a not in (int, float) and isinstance(value, a)) for a in allowed):
             names = " or ".join("none" if a is type(None) else a.__name__ for a in allowed)
             raise RunError(f"{name} must be of type {names}, got {value!r} ({type(value).__name__})")
-
-
-def data_workers(cfg) -> int:
-    """Processes that tokenise a file, folder or saved-dataset corpus: `data_workers`, or for 0 the
-    CPU count (at most 8)."""
-    return cfg.data_workers or min(8, os.cpu_count() or 1)
