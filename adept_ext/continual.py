@@ -35,6 +35,7 @@ from .report import plot_matrix, plot_series
 from .data.tasks import answer_scores, scored_by
 from .data.truncation import report_entries
 from .training import drift
+from .training.markdown import sequence_markdown, signed
 from .training.options import TOOLS
 from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
                        atomic_write, check_memory, check_merge_back, check_out, device_for, evaluate,
@@ -267,7 +268,7 @@ def _run(cfg: ContinualConfig, device, progress, log) -> Dict:
         shutil.rmtree(out / RESUME_MODEL, ignore_errors=True)
         remove_stale_shards(out)
     m = report["metrics"]
-    log(f"AA {m['AA']:.4f}, BWT {_fmt(m['BWT'])}, FWT {_fmt(m['FWT'])}, general forgetting "
+    log(f"AA {m['AA']:.4f}, BWT {signed(m['BWT'])}, FWT {signed(m['FWT'])}, general forgetting "
         f"{report['general_forgetting']:+.4f}; report: {out / 'report.md'}")
     parallel.barrier(device)  # every rank returns once rank 0 has written the run
     return report
@@ -327,10 +328,6 @@ class _TaskHooks(TaskHooks):
         return self.fields
 
 
-def _fmt(value: Optional[float]) -> str:
-    return "n/a" if value is None else f"{value:+.4f}"
-
-
 def build_report(cfg, tasks, rows, per_task, history, device, bf16, seconds, loss: str) -> Dict:
     matrix = [r["scores"] for r in rows]
     return {"config": asdict(cfg), "method": cfg.method,
@@ -357,36 +354,4 @@ def write_report(report: Dict, out: Path):
     plot_series(labels, report["general_loss"], out / "general.png", "general held-out loss",
                 f"{report['method']}: general loss across the sequence")
     atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
-    atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
-
-
-def markdown_report(report: Dict) -> str:
-    cfg, m = report["config"], report["metrics"]
-    names = [t["name"] for t in report["tasks"]]
-    lines = [f"# adept_ext continual run: {report['method']}", "",
-             f"Model `{cfg['model']}`, tasks {' → '.join(names)}, general corpus `{cfg['general']}` (held out); "
-             f"{cfg['steps']} steps per task of {cfg['grad_accum']} micro-batch(es) x {cfg['batch_size']} blocks x "
-             f"{cfg['max_length']} tokens, lr {cfg['lr']}, seed {cfg['seed']}, "
-             f"device {report['machine']['device']}.", "",
-             "Score a[t][i] = accuracy (instruction tasks: exact match of the greedy answer) or −loss (text tasks: "
-             "held-out next-token loss) on task i after training through task t.", "",
-             "| after | " + " | ".join(f"{n} ({t['metric']})" for n, t in zip(names, report["tasks"]))
-             + " | general loss |",
-             "|---|" + "---|" * (len(names) + 1)]
-    lines += [f"| {r['label']} | " + " | ".join(f"{s:.4f}" for s in r["scores"]) + f" | {r['general_loss']:.4f} |"
-              for r in report["rows"]]
-    lines += ["", f"AA {m['AA']:.4f}; BWT {_fmt(m['BWT'])}; FWT {_fmt(m['FWT'])}; general forgetting "
-                  f"(general loss after the last task − base) {report['general_forgetting']:+.4f}"
-                  + ("." if "kl_to_base" not in report else
-                     f"; drift from the base (mean KL on held-out general positions) "
-                     f"{', '.join(f'{kl:.4f}' for kl in report['kl_to_base'][1:])} after each task."), "",
-              "| task | what trained | trainable parameters | seconds | peak memory MB |", "|---|---|---|---|---|"]
-    lines += [f"| {p['task']} | {p['summary']} | {p['trainable_parameters'] / 1e6:.2f}M | {p['seconds']} | "
-              f"{p['peak_memory_mb']} |" for p in report["per_task"]]
-    scored = [(r["label"], r["benchmarks"]) for r in report["rows"] if "benchmarks" in r]
-    if scored:
-        lines += ["", "Benchmarks (lm-evaluation-harness, value ± stderr; docs/evaluation.md):", "",
-                  harness.rows_table(scored).rstrip(), "", "Base model vs after the last task:", "",
-                  harness.comparison_table(report["benchmark_difference"]).rstrip()]
-    lines += ["", f"Wall time {report['wall_seconds']} s. Plots: `matrix.png`, `general.png`."]
-    return "\n".join(lines) + "\n"
+    atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(sequence_markdown(report)))

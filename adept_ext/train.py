@@ -40,6 +40,7 @@ from .lm_loss import check_packing, loss_path
 from .models import load_model, place_model
 from .report import plot_loss_curves, plot_merge_front
 from .training import drift
+from .training.markdown import run_markdown
 from .training.options import TOOLS
 from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
                        atomic_write, check_memory, check_merge_back, check_out, device_for, evaluate,
@@ -353,7 +354,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         "wall_seconds": round(time.time() - started, 1)})
     if main:
         atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
-        atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(markdown_report(report)))
+        atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(run_markdown(report)))
         (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: the model replaces it
         remove_stale_shards(out)
     log(f"final: general loss {final['general_loss']:.4f} (forgetting {report['forgetting_general_delta']:+.4f}), "
@@ -361,51 +362,3 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
         f"report: {out / 'report.md'}")
     parallel.barrier(device)  # every rank returns once rank 0 has written the run
     return report
-
-
-def markdown_report(report: Dict) -> str:
-    cfg, base, final = report["config"], report["base"], report["final"]
-    lines = [f"# adept_ext run: {report['method']}", "",
-             f"Model `{cfg['model']}`, general corpus `{cfg['general']}`, domain corpus `{cfg['domain']}`; "
-             f"{cfg['steps']} steps of {cfg['grad_accum']} micro-batch(es) x {cfg['batch_size']} blocks x "
-             f"{cfg['max_length']} tokens, lr {cfg['lr']}, "
-             f"seed {cfg['seed']}, device {report['machine']['device']}.", "",
-             "| | general loss | general ppl | domain loss | domain ppl |", "|---|---|---|---|---|",
-             *(f"| {label} | {r['general_loss']:.4f} | {math.exp(r['general_loss']):.2f} | "
-               f"{r['domain_loss']:.4f} | {math.exp(r['domain_loss']):.2f} |" for label, r in (("base", base),
-                                                                                              ("final", final))),
-             "", f"Forgetting (general Δloss): {report['forgetting_general_delta']:+.4f}; "
-             f"gain (domain −Δloss): {report['gain_domain_delta']:+.4f}."
-             + ("" if not report.get("evaluated_held") else
-                f" Both rows evaluate the model as the steps saw it, its frozen weights held in "
-                f"{report['evaluated_held']} (--frozen-dtype); the saved model has them exact.")
-             + ("" if "drift" not in report else
-                f" Drift from the base: mean KL {report['drift']['kl_to_base']:.4f} nats over "
-                f"{report['drift']['tokens']} held-out general positions."), "",
-             f"Trainable parameters: {report['trainable_parameters'] / 1e6:.2f}M ({report['trainable_fraction']:.1%}): "
-             f"{report['summary']}. Layer numbers are those of the model before expansion unless said otherwise.", "",
-             "| stage | seconds | peak memory MB |", "|---|---|---|"]
-    lines += [f"| {name} | {s['seconds']} | {s['peak_memory_mb']} |" for name, s in report["stages"].items()]
-    estimate = report["memory_estimate_mb"]
-    lines += ["", f"The memory check's estimate for the steps: {estimate['total']} MB (weights {estimate['weights']}, "
-                  f"optimizer {estimate['optimizer']}, activations {estimate['activations']}); the measured peak "
-                  "is the process's resident set on the CPU (Python and its libraries included), allocated memory "
-                  "on a GPU."]
-    if "merge_back" in report:
-        mb = report["merge_back"]
-        lines += ["", f"Merged back toward the start at α = {mb['alpha']:g} ({mb['schedule']}"
-                      + (f", bottom α {mb['alpha_min']:g}" if mb["schedule"] == "lines" else "")
-                      + (f"; chosen by auto as the largest α whose general Δloss is at most {mb['max_forgetting']:g}"
-                         if "max_forgetting" in mb else "") + "): the final row is the merged model; trained "
-                      f"(α = 1 before finishing): general {mb['trained']['general_loss']:.4f}, domain "
-                      f"{mb['trained']['domain_loss']:.4f}.", "", "| α | general Δloss | domain Δloss |",
-                  "|---|---|---|",
-                  *(f"| {p['alpha']:g} | {p['general_delta']:+.4f} | {p['domain_delta']:+.4f} |" for p in mb["front"])]
-    if "unit_rates" in report:
-        lines += ["", f"Per-unit learning-rate multipliers (mean {report['unit_rates']['mean_multiplier']:.3f}, "
-                      f"{report['unit_rates']['recomputes']} recomputes): see `unit_rates.png`."]
-    if "benchmarks" in report:
-        lines += ["", "Benchmarks (lm-evaluation-harness, base vs final; docs/evaluation.md):", "",
-                  harness.comparison_table(report["benchmarks"]["difference"]).rstrip()]
-    lines += ["", "Plots: " + ", ".join(f"`{name}`" for name in report["plots"]) + "."]
-    return "\n".join(lines) + "\n"
