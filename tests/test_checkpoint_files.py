@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import ranks
 from tiny_models import padded_batches, tiny_model
 
 from adept_ext.errors import InputError
@@ -77,7 +77,7 @@ def test_sharded_save_then_load_reads_no_pickle_and_continues_exactly(tmp_path):
     """2 gloo ranks: FSDP2 weights and AdamW state saved after 2 steps, loaded into a fresh model with
     every unpickler but torch's weights-only one refused, then stepped once more: bit-identical to
     the uninterrupted run. The shard directory holds one safetensors file per rank, nothing else."""
-    mp.spawn(_round_trip_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "r"), str(tmp_path / "shards")),
+    ranks.spawn(_round_trip_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "r"), str(tmp_path / "shards")),
              nprocs=2, join=True)
     assert all(p.suffix == ".safetensors" for p in (tmp_path / "shards").iterdir())
     assert len(list((tmp_path / "shards").iterdir())) == 2

@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import ranks
 from tiny_models import padded_batches, save_whole_block_llama, tiny_model, write_run_workspace
 
 from adept_ext.lm_loss import next_token_loss
@@ -40,7 +40,7 @@ def test_a_steps_loss_under_ddp_is_the_mean_over_every_ranks_labelled_tokens(tmp
     average) and logged loss equal one process's batch of all four rows (the mean over 11 tokens)."""
     from test_lm_loss import assert_same_grads, grads_of, uneven_rows
 
-    mp.spawn(_step_loss_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    ranks.spawn(_step_loss_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
     model = tiny_model("llama")
     want_loss = next_token_loss(model, uneven_rows(STEP_COUNTS)[1], "fused")
     want = grads_of(model, want_loss)
@@ -51,7 +51,7 @@ def test_a_steps_loss_under_ddp_is_the_mean_over_every_ranks_labelled_tokens(tmp
 
 
 def test_probe_all_reduces_to_the_single_process_result(tmp_path):
-    mp.spawn(_probe_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    ranks.spawn(_probe_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
     assert r0 == r1  # identical on every rank
     single = layer_importance(tiny_model("qwen3", layers=4), padded_batches(n_batches=3), progress=False)
@@ -88,7 +88,7 @@ def test_unit_importance_all_reduces_to_the_single_process_result(tmp_path, use_
     from adept_ext.expand import expand_layers
     from adept_ext.units import UnitImportance
 
-    mp.spawn(_units_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), use_ddp), nprocs=2, join=True)
+    ranks.spawn(_units_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), use_ddp), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
     assert r0 == r1  # identical on every rank (with DDP also the synchronised update)
     model = tiny_model("qwen3", layers=4)
@@ -126,7 +126,7 @@ def _projection_ddp_worker(rank, world, init_file, result_file):
 
 
 def test_projection_under_ddp_is_identical_on_all_ranks(tmp_path):
-    mp.spawn(_projection_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    ranks.spawn(_projection_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
     assert r0["err"] <= 1e-5
@@ -178,7 +178,7 @@ def test_projection_with_sharded_parameters_all_reduces_partial_sums(tmp_path, h
     holds the whole directions (a memory loaded from it projects the same)."""
     from adept_ext.projection import GradientMemory
 
-    mp.spawn(_projection_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), hsdp), nprocs=2,
+    ranks.spawn(_projection_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), hsdp), nprocs=2,
              join=True)
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
     params, dirs, grads = _sharding_data()
@@ -221,7 +221,7 @@ def _run_worker(rank, world, port, options, result_file, runner="train"):
 
 def _run_ranks(options, tmp_path):
     """The results of `adept-ext run` with `options` on 2 gloo ranks."""
-    mp.spawn(_run_worker, args=(2, _free_port(), options, str(tmp_path / "r")), nprocs=2, join=True)
+    ranks.spawn(_run_worker, args=(2, _free_port(), options, str(tmp_path / "r")), nprocs=2, join=True)
     return [torch.load(tmp_path / f"r.{r}") for r in (0, 1)]
 
 
@@ -294,7 +294,7 @@ def test_continual_under_ddp_equals_one_process_with_the_same_global_batch(run_w
                    warmup_steps=1, probe_blocks=2, eval_blocks=3, save_every=0, lr=1e-3, lora_rank=2, **method)
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
-    mp.spawn(_run_worker, args=(2, _free_port(), {**options, "out": str(tmp_path / "ddp")}, str(tmp_path / "r"),
+    ranks.spawn(_run_worker, args=(2, _free_port(), {**options, "out": str(tmp_path / "ddp")}, str(tmp_path / "r"),
                                 "continual"), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
     assert r0 == r1
@@ -376,7 +376,7 @@ def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
     single = run(config_from({**options, "grad_accum": 2, "out": str(tmp_path / "single")}), progress=False,
                  log=lambda *a: None)
     sharded = {**options, "parallel": "fsdp2", "out": str(tmp_path / "fsdp")}
-    mp.spawn(_killed_run_worker, args=(2, _free_port(), sharded, str(tmp_path / "r")), nprocs=2, join=True)
+    ranks.spawn(_killed_run_worker, args=(2, _free_port(), sharded, str(tmp_path / "r")), nprocs=2, join=True)
     checkpoint = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=True)
     assert checkpoint["step"] == 2 and "optimizer" not in checkpoint and "trainable" not in checkpoint
     assert sorted(p.name for p in (tmp_path / "fsdp" / checkpoint["shards"]).iterdir()) == [
@@ -386,10 +386,10 @@ def test_sharded_resume_equals_the_uninterrupted_run(run_workspace, tmp_path):
 
 
 def _spawn_with_timeout(fn, args, timeout=240):
-    """mp.spawn of 2 processes that fails (instead of hanging) when they have not finished in `timeout` s."""
+    """ranks.spawn of 2 processes that fails (instead of hanging) when they have not finished in `timeout` s."""
     import time
 
-    context = mp.spawn(fn, args=args, nprocs=2, join=False)
+    context = ranks.spawn(fn, args=args, nprocs=2, join=False)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # False: a process still runs
         if time.monotonic() >= deadline:
@@ -671,7 +671,7 @@ def _gradient_reductions_worker(rank, world, init_file, result_file, engine):
 def test_gradients_are_reduced_once_per_optimizer_step(tmp_path, engine):
     """With 4 micro-batches per step on 2 gloo ranks the ranks' gradients are reduced in one backward pass per
     optimizer step (the last micro-batch's), and the weights equal one process's with 8 micro-batches per step."""
-    mp.spawn(_gradient_reductions_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), engine), nprocs=2,
+    ranks.spawn(_gradient_reductions_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), engine), nprocs=2,
              join=True)
     want = _accumulated_steps(tiny_model("llama", layers=2), grad_accum=8)
     for rank in range(2):

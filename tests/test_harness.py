@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+import ranks
 from tiny_models import write_run_workspace
 
 from adept_ext import harness
@@ -387,7 +387,7 @@ def test_two_gloo_ranks_evaluate_once_on_rank_0(workspace, tiny, tmp_path):
     """Rank 0 evaluates, rank 1 waits and receives the same result (to the timing, which two evaluations
     would not share); only rank 0 writes the samples."""
     folder, _ = write_tasks(tmp_path, *tiny)
-    mp.spawn(_rank_worker, args=(2, _free_port(), str(workspace / "tiny"), str(folder), str(tmp_path / "r")),
+    ranks.spawn(_rank_worker, args=(2, _free_port(), str(workspace / "tiny"), str(folder), str(tmp_path / "r")),
              nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
     assert r0 == r1 and r0["tasks"]["tiny_mc"]["metrics"]["acc"]["value"] == 0.5
@@ -413,7 +413,7 @@ def test_run_on_two_gloo_ranks_evaluates_once_and_both_report_it(workspace, tiny
                    domain=str(workspace / "domain.jsonl"), out=str(tmp_path / "ddp"), method="lora", lora_rank=2,
                    max_length=32, batch_size=2, steps=2, warmup_steps=1, probe_blocks=2, eval_blocks=2, eval_every=0,
                    save_every=0, lr=1e-3, benchmarks="tiny_mc", include_path=str(folder), log_samples=True)
-    mp.spawn(_run_rank_worker, args=(2, _free_port(), options, str(tmp_path / "r")), nprocs=2, join=True)
+    ranks.spawn(_run_rank_worker, args=(2, _free_port(), options, str(tmp_path / "r")), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"r.{r}") for r in (0, 1))
     assert r0 == r1 and r0["base"]["tasks"]["tiny_mc"]["metrics"]["acc"]["value"] == 0.5
     assert json.loads((tmp_path / "ddp" / "report.json").read_text())["benchmarks"] == r0

@@ -315,7 +315,7 @@ def test_the_penalty_weighs_once_per_trainer_step_as_in_the_runners(tmp_path):
     """Under the Trainer with 8 accumulation steps on 2 gloo processes, O-LoRA's penalty weighs what it weighs in
     the runners' step (`Method.loss` over 8 micro-batches): 1 per optimizer step (the ranks' gradients averaged),
     not accumulation × processes."""
-    import torch.multiprocessing as mp
+    import ranks
     from test_distributed import _free_port
     from test_o_lora import second_task
 
@@ -325,7 +325,7 @@ def test_the_penalty_weighs_once_per_trainer_step_as_in_the_runners(tmp_path):
         task.loss(batch, micro_batches=ACCUMULATION).backward()
     assert len(weights) == ACCUMULATION
     runner = sum(weights)
-    mp.spawn(_trainer_penalty_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks.spawn(_trainer_penalty_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         count, weight = torch.load(tmp_path / f"weight.{rank}", weights_only=True)
         assert count == ACCUMULATION
