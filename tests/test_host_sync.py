@@ -33,7 +33,8 @@ NOT_SYNCS = ("adept_ext/optim.py", "transformers/masking_utils.py", "torch/utils
 # Functions whose reads are of host tensors by contract: `data.check_labels` reads a batch's labels
 # as built on the host, before the batch goes to the device.
 HOST_ONLY = ("check_labels",)
-STEPS, LOGGING, ACCUM, EVERY = 25, 10, 4, 7  # evaluation, checkpoint and ADEPT's recompute at steps 7, 14, 21
+STEPS, LOGGING, ACCUM, EVERY = 11, 4, 4, 3  # logs at steps 4, 8, 11; evaluation, checkpoint, recompute at 3, 6, 9
+LOGGED = [4, 8, 11]
 
 
 class Syncs:
@@ -113,14 +114,14 @@ def workspace(tmp_path_factory):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["lora", "adept"])
 def test_one_host_sync_per_logging_steps(workspace, monkeypatch, method, device):
-    """--logging-steps 10 --grad-accum 4 (and --report-to tensorboard: the grad norm is read too): no
-    step reads a tensor on the host but the steps that log (10, 20 and the last, 25), which read
-    once; evaluation, checkpoint and recompute steps (7, 14, 21) may."""
+    """--logging-steps 4 --grad-accum 4 (and --report-to tensorboard: the grad norm is read too): no
+    step reads a tensor on the host but the steps that log (4, 8 and the last, 11), which read
+    once; evaluation, checkpoint and recompute steps (3, 6, 9) may."""
     report, per_step = counted_run(workspace, f"{method}-{device}", monkeypatch, device, method=method, steps=STEPS,
                                    logging_steps=LOGGING, report_to="tensorboard")
     assert sorted(per_step) == list(range(1, STEPS + 1))
     logged = [h["step"] for h in report["history"]["train"]]
-    assert logged == [10, 20, 25]
+    assert logged == LOGGED
     for step, (reads, synced) in per_step.items():
         if step % EVERY:
             allowed = 1 if step in logged else 0
@@ -152,17 +153,17 @@ def test_the_count_catches_a_read_per_micro_batch(workspace, monkeypatch, read):
 
 
 def test_logging_steps_log_the_mean_since_the_last_log(workspace):
-    """Hugging Face's logging: at step 10, 20 and the last (25) the mean loss of the steps since the
+    """Hugging Face's logging: at step 4, 8 and the last (11) the mean loss of the steps since the
     previous entry, with that step's lr; --logging-steps 1 logs every step's own loss."""
     every = tiny_run(workspace, "every-step", method="lora", steps=STEPS)
-    tenth = tiny_run(workspace, "every-tenth", method="lora", steps=STEPS, logging_steps=LOGGING)
+    fourth = tiny_run(workspace, "every-fourth", method="lora", steps=STEPS, logging_steps=LOGGING)
     steps = every["history"]["train"]
     assert [h["step"] for h in steps] == list(range(1, STEPS + 1))
-    assert [h["step"] for h in tenth["history"]["train"]] == [10, 20, 25]
-    for entry, (first, last) in zip(tenth["history"]["train"], [(0, 10), (10, 20), (20, 25)]):
+    assert [h["step"] for h in fourth["history"]["train"]] == LOGGED
+    for entry, (first, last) in zip(fourth["history"]["train"], [(0, 4), (4, 8), (8, 11)]):
         assert entry["step"] == last and entry["lr"] == steps[last - 1]["lr"]
         assert entry["loss"] == pytest.approx(sum(h["loss"] for h in steps[first:last]) / (last - first), rel=1e-12)
-    assert every["final"] == tenth["final"]  # logging changes no step
+    assert every["final"] == fourth["final"]  # logging changes no step
 
 
 def test_labels_are_checked_on_the_host_before_the_device():
