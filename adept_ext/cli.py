@@ -225,7 +225,7 @@ def _diagnose(cfg, progress):
 
 
 def _evaluate(cfg, progress):
-    from . import harness
+    from .evaluation import harness
     from .training import device_for, evaluate
 
     model, corpora, out = _load(cfg, "eval")

@@ -25,7 +25,8 @@ from typing import Collection, Dict, List, Optional
 
 import torch
 
-from . import data, harness, held, merge_back, parallel
+from . import data, held, merge_back, parallel
+from .evaluation import harness
 from .errors import InputError, RunError
 from .methods import create
 from .methods.base import REGISTRY, option

@@ -28,7 +28,8 @@ from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
-from . import data, harness, held, merge_back, parallel
+from . import data, held, merge_back, parallel
+from .evaluation import harness
 from .errors import InputError, RunError
 from .lens import Diagnosis, diagnose
 from .data.truncation import report_entries

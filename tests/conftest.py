@@ -14,6 +14,11 @@ if "HF_DATASETS_CACHE" not in os.environ:
 
 import adept_ext
 
+# Under pytest-xdist (`-n 2`) each worker takes its share of the cores, so that two torch thread pools
+# do not fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 GPU_PRESENT = torch.cuda.is_available()
 NOT_COMPILED = ("a GPU is present but adept_ext was built without its CUDA kernels "
                 "(adept_ext.cuda_available() is False): rebuild with ADEPT_EXT_CUDA=1")

@@ -23,7 +23,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from adept_ext import _cuda_arch, harness, optim
+from adept_ext import _cuda_arch, optim
+from adept_ext.evaluation import harness
 from adept_ext.errors import RunError
 from adept_ext.training import tracking
 

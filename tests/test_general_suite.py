@@ -1,4 +1,4 @@
-"""The general suite offline (adept_ext.general_suite): each task's items, its prompts as lm-eval's own task
+"""The general suite offline (adept_ext.evaluation.general_suite): each task's items, its prompts as lm-eval's own task
 of that name builds them (its YAML templates and helper functions applied to the raw fields of OLMo's docs),
 and the harness's per-item accuracy equal to the argmax of log-likelihoods computed directly with the model,
 on 50 items of every task; the group adept_general as the item-weighted mean."""
@@ -10,7 +10,7 @@ import torch
 import yaml
 from tiny_models import write_run_workspace
 
-from adept_ext import general_suite, harness
+from adept_ext.evaluation import general_suite, harness
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.tasks.hellaswag.utils import preprocess as hellaswag_preprocess  # noqa: E402

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness in-process (adept_ext.harness): scores checked against the same log-likelihoods and
+"""lm-evaluation-harness in-process (adept_ext.evaluation.harness): scores checked against the same log-likelihoods and
 greedy answers computed with the model directly, on local offline tasks; the caller's random states and
 module modes kept; one clear error before anything loads; the eval and run commands' reports."""
 import json
@@ -10,9 +10,9 @@ import torch
 import ranks
 from tiny_models import write_run_workspace
 
-from adept_ext import harness
+from adept_ext.evaluation import harness
 from adept_ext.errors import RunError
-from adept_ext.paired import paired_difference
+from adept_ext.evaluation.paired import paired_difference
 
 pytest.importorskip("lm_eval")
 

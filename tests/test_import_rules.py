@@ -4,8 +4,8 @@ Layers, lowest first; a module may import its own layer and the layers below it,
 
     0 kernels      ops, reference, _C, _cuda_arch, _build_info
     1 mechanisms   models, lm_loss, probe, expand, placement, units, lr, optim, projection, lens, lens_inputs,
-                   parallel, report, data (module or data/ package), tasks, large_corpus, errors, harness,
-                   lm_eval_tasks, quantize, held, paired, general_suite, merge_back
+                   parallel, report, data (module or data/ package), tasks, large_corpus, errors,
+                   evaluation/ (harness, lm_eval_tasks, general_suite, paired), quantize, held, merge_back
     2 methods      adept_ext/methods/
     3 training     adept_ext/training/
     4 runners      train.py, continual.py, hf.py (the Trainer integration of methods and mechanisms)
@@ -34,8 +34,8 @@ LAYER_NAMES = ["kernels", "mechanisms", "methods", "training", "runners", "inter
 LAYERS = {
     **dict.fromkeys(("ops", "reference", "_C", "_cuda_arch", "_build_info"), KERNELS),
     **dict.fromkeys(("models", "lm_loss", "probe", "expand", "placement", "units", "lr", "optim", "projection", "lens",
-                     "lens_inputs", "parallel", "report", "data", "tasks", "large_corpus", "errors", "harness",
-                     "lm_eval_tasks", "quantize", "held", "paired", "general_suite", "merge_back"),
+                     "lens_inputs", "parallel", "report", "data", "tasks", "large_corpus", "errors", "evaluation",
+                     "quantize", "held", "merge_back"),
                     MECHANISMS),
     "methods": METHODS,
     "training": TRAINING,

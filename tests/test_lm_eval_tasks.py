@@ -1,5 +1,5 @@
-"""adept_ext's instruction tasks as lm-eval tasks (adept_ext.lm_eval_tasks): the exported items are the held-out
-examples the continual runner scores; lm-eval's exact match on them is `answer_scores`' accuracy, item by item,
+"""adept_ext's instruction tasks as lm-eval tasks (adept_ext.evaluation.lm_eval_tasks): the exported items are
+the held-out examples the continual runner scores; lm-eval's exact match on them is `answer_scores`' accuracy, item by item,
 and its multiple-choice accuracy the argmax over the label set of the labels' summed log-probabilities computed
 directly; the built-in names work in --benchmarks without a YAML of the user's; the offline ARC-Easy task (the
 whole suite: tests/test_general_suite.py)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import write_run_workspace
 
-from adept_ext import harness, lm_eval_tasks
+from adept_ext.evaluation import harness, lm_eval_tasks
 from adept_ext.data.blocks import document_bos
 from adept_ext.data.tasks import answer_scores, instruction_blocks, load_task
 
@@ -127,7 +127,7 @@ def test_builtin_names_need_no_yaml_of_the_users(workspace, tmp_path, monkeypatc
 
 
 def test_arc_easy_items_are_the_validation_questions():
-    from adept_ext.general_suite import items as suite_items
+    from adept_ext.evaluation.general_suite import items as suite_items
 
     items = suite_items("adept_arc_easy")
     assert len(items) == 570 and len({i["query"] for i in items}) == 570

@@ -1,10 +1,10 @@
-"""Paired tests (adept_ext.paired): McNemar's exact p against scipy's binomial test and known values, the
+"""Paired tests (adept_ext.evaluation.paired): McNemar's exact p against scipy's binomial test and known values, the
 paired bootstrap interval against scipy's bootstrap, and the per-metric verdict of paired_difference."""
 import numpy as np
 import pytest
 from scipy import stats
 
-from adept_ext.paired import mcnemar_exact, paired_bootstrap, paired_difference
+from adept_ext.evaluation.paired import mcnemar_exact, paired_bootstrap, paired_difference
 
 
 @pytest.mark.parametrize("b,c", [(0, 0), (0, 6), (6, 0), (3, 3), (1, 9), (12, 30), (40, 41), (7, 120), (250, 199)])

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from adept_ext.errors import InputError
-from adept_ext.lm_eval_tasks import GENERAL, SUITE, export_tasks
+from adept_ext.evaluation.lm_eval_tasks import GENERAL, SUITE, export_tasks
 
 
 def main(argv=None) -> int:

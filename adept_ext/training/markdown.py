@@ -3,7 +3,7 @@
 import math
 from typing import Dict, Optional
 
-from .. import harness
+from ..evaluation import harness
 
 
 def signed(value: Optional[float]) -> str:

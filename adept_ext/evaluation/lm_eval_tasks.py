@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import general_suite
-from .data.blocks import split_indices
-from .data.tasks import CLASSIFICATION_SEQUENCE, CLASSIFICATION_TASKS, topic_examples
-from .errors import InputError, RunError
-from .models import cache_dir
+from ..data.blocks import split_indices
+from ..data.tasks import CLASSIFICATION_SEQUENCE, CLASSIFICATION_TASKS, topic_examples
+from ..errors import InputError, RunError
+from ..models import cache_dir
 
 INSTRUCTION_TASKS = CLASSIFICATION_SEQUENCE  # bbc-topic, sms-spam, rt-sentiment, parl-language
 GENERAL = "adept_arc_easy"  # the runners' default general benchmark
