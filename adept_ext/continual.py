@@ -27,13 +27,14 @@ import torch
 
 from . import data, held, merge_back, parallel
 from .evaluation import harness
+from .evaluation.answers import answer_scores
 from .errors import InputError, RunError
 from .methods import create
 from .methods.base import REGISTRY, option
 from .lm_loss import check_packing, loss_path
 from .models import load_model, place_model
 from .report import plot_matrix, plot_series
-from .data.tasks import answer_scores, scored_by
+from .data.tasks import scored_by
 from .data.truncation import report_entries
 from .training import drift
 from .training.markdown import sequence_markdown, signed

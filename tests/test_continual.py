@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from adept_ext import data
 from adept_ext.cli import main
 from adept_ext.continual import config_from, metrics, run
-from adept_ext.data.tasks import answer_scores, instruction_blocks, load_tasks
+from adept_ext.data.tasks import instruction_blocks, load_tasks
+from adept_ext.evaluation.answers import answer_scores
 from adept_ext.errors import RunError
 from adept_ext.methods import Context, create, method_names
 from adept_ext.models import load_model

@@ -30,7 +30,7 @@ import torch
 from ..errors import InputError
 from .chat import chat_blocks, messages_of
 from .chat import chat_template as chat_template_of
-from .blocks import (BlockSet, TensorBlocks, batches, document_bos, document_ids, pad_id, pad_rows, split_views,
+from .blocks import (BlockSet, TensorBlocks, document_bos, document_ids, pad_id, pad_rows, split_views,
                      token_blocks)
 from .large_corpus import corpus_blocks
 from .packing import DocumentRows
@@ -353,34 +353,3 @@ def scored_by(task: Task) -> str:
     if task.replies:
         return "exact match of the greedy reply through its end-of-turn token, and the replies' loss"
     return "exact match of the greedy answer (its EOS not required), and the answers' loss"
-
-
-@torch.no_grad()
-def answer_scores(model, blocks: Dict[str, torch.Tensor], batch_size: int, device, eos_id=None) -> Dict[str, float]:
-    """Exact-match accuracy of the greedy answer and the token-weighted loss of the labelled tokens
-    over instruction blocks. An example is right when the argmax prediction equals the label at every
-    labelled position (the EOS target `eos_id` excepted): in one teacher-forced forward, the same as
-    greedy decoding from the prompt reproducing the answer token for token. With `eos_id` None
-    (a conversational task) every labelled token counts, the end-of-turn marker included: the greedy
-    reply, generated through the template's generation prompt, must stop where the reference does
-    (docs/continual.md, "Scores")."""
-    was_training = model.training
-    model.eval()
-    correct, total_loss, tokens = 0, 0.0, 0
-    try:
-        for batch in batches(blocks, batch_size):
-            batch = {k: v.to(device) for k, v in batch.items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            targets = batch["labels"][:, 1:]
-            logits = logits[:, :-1].float()
-            scored = targets != -100
-            loss = torch.nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum")
-            total_loss += float(loss)
-            tokens += int(scored.sum())
-            answer = scored & (targets != eos_id) if eos_id is not None else scored
-            hit = (logits.argmax(-1) == targets) | ~answer
-            correct += int(hit.all(dim=1).sum())
-    finally:
-        model.train(was_training)
-    return {"accuracy": correct / blocks["input_ids"].shape[0], "answer_loss": total_loss / tokens}
-

@@ -9,7 +9,7 @@ and two lm-eval tasks over it:
 
 - `adept_TASK_mc`: multiple choice, `acc` = the label whose summed log-probability given the prompt is
   highest is the answer (lm-eval's `multiple_choice` with the label set as choices, no delimiter);
-- `adept_TASK_gen`: greedy generation, `exact_match` as `tasks.answer_scores` defines it: the greedy
+- `adept_TASK_gen`: greedy generation, `exact_match` as `answers.answer_scores` defines it: the greedy
   continuation starts with the answer (its EOS not required; `adept_scoring.py`, written beside).
 
 The general suite (`general_suite`: `adept_arc_easy`, ..., the groups `adept_general` and `adept_medical`)
@@ -35,8 +35,8 @@ GENERAL = "adept_arc_easy"  # the runners' default general benchmark
 SUITE = (*general_suite.TASKS, *general_suite.GROUPS)
 MAX_GEN_TOKS = 8  # every label of the built-in tasks is one word: a few tokens
 SCORING = "adept_scoring.py"
-SCORING_CODE = '''"""exact_match of adept_ext's instruction tasks (adept_ext.data.tasks.answer_scores): the greedy
-continuation starts with the answer, its leading space included; what follows it is not scored."""
+SCORING_CODE = '''"""exact_match of adept_ext's instruction tasks (adept_ext.evaluation.answers.answer_scores): the
+greedy continuation starts with the answer, its leading space included; what follows it is not scored."""
 
 
 def answer_match(doc, results):
