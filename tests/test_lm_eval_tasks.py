@@ -1,8 +1,8 @@
-"""adept_ext's instruction tasks as lm-eval tasks (adept_ext.evaluation.lm_eval_tasks): the exported items are
-the held-out examples the continual runner scores; lm-eval's exact match on them is `answer_scores`' accuracy,
-item by item, and its multiple-choice accuracy the argmax over the label set of the labels' summed log-probabilities computed
-directly; the built-in names work in --benchmarks without a YAML of the user's; the offline ARC-Easy task (the
-whole suite: tests/test_general_suite.py)."""
+"""adept_ext's instruction tasks as lm-eval tasks (adept_ext.evaluation.lm_eval_tasks): the exported items are the
+held-out examples the continual runner scores; lm-eval's exact match on them is `answer_scores`' accuracy, item by
+item, and its multiple-choice accuracy the argmax over the label set of the labels' summed log-probabilities
+computed directly; the built-in names work in --benchmarks without a YAML of the user's; the offline ARC-Easy task
+(the whole suite: tests/test_general_suite.py)."""
 import json
 
 import pytest
