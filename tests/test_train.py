@@ -726,7 +726,7 @@ def test_no_progress_holds_for_one_command_only(tmp_path):
 def test_only_the_librarys_own_input_errors_become_one_line(workspace, monkeypatch, capsys):
     """A ValueError from a bug (here planted in the corpus loading) keeps its traceback; the
     library's input errors (InputError, a ValueError too) are one line."""
-    import adept_ext.train as train_module
+    from adept_ext import data
     from adept_ext.errors import InputError
 
     argv = ["run", "--out", str(workspace / "bug"), "--model", str(workspace / "tiny"), "--general",
@@ -735,14 +735,14 @@ def test_only_the_librarys_own_input_errors_become_one_line(workspace, monkeypat
     def buggy(*args, **kwargs):
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(train_module, "Corpora", buggy)
+    monkeypatch.setattr(data, "Corpora", buggy)
     with pytest.raises(ValueError, match="an internal bug"):
         main(argv)
 
     def refusing(*args, **kwargs):
         raise InputError("corpus 'x' holds no text")
 
-    monkeypatch.setattr(train_module, "Corpora", refusing)
+    monkeypatch.setattr(data, "Corpora", refusing)
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().endswith("corpus 'x' holds no text")
     assert issubclass(InputError, ValueError)
