@@ -28,7 +28,8 @@ from .errors import InputError, RunError
 from .methods import method_names
 from .train import METHODS, config_from, run_config_class
 from .training import saved_options
-from .training.options import TOOLS, current_names, marked, other_names
+from .training.config import current_names, marked, other_names
+from .training.options import TOOLS
 
 logger = logging.getLogger(__name__)
 COMMANDS = ("continual", "run", "train", "probe", "expand", "eval", "diagnose")

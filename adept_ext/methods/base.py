@@ -55,7 +55,7 @@ def option(default, name: Optional[str] = None, parse: Optional[Callable] = None
     (`method_options`); a field whose option is a runner's own (e.g. `diagnosis_task`) reads it.
 
     A runner's option also declares its properties here, each read from the declaration alone
-    (`training.options.marked`): `resumable` (may change on --resume), `one_way` (a switch without a
+    (`training.config.marked`): `resumable` (may change on --resume), `one_way` (a switch without a
     --no- form), `affects_results` (False: never changes what a run computes, e.g. where it writes),
     `former_names` (flags, TOML keys and older run.json keys that still name it), `known_as` (other
     tools' names for it, suggested for an unknown option) and `commands` (the one-off commands —

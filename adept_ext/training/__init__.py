@@ -1,13 +1,14 @@
-"""The training engine both runners (`train`, `continual`) share: options and their checks,
+"""The training engine both runners (`train`, `continual`) share: options and their checks (`options`), a
+runner's config composed and read from their declarations (`config`),
 device, precision and memory, the loop (`fit_task` with its `TaskHooks`), checkpoints and
 shards, run directories. It composes the mechanisms and `methods`; nothing below imports it."""
 from .checkpoint import (SHARDS, load_training_state, read_checkpoint, remove_stale_shards, rng_state,
                          save_sharded_state, set_rng_state, shard, training_state)
 from .device import check_memory, device_for, frozen_dtype_for, held_as_frozen, peak_memory_mb, use_bf16
 from .loop import TaskHooks, evaluate, fit_task, optimizer_for, schedule, train_steps
+from .config import check_types, result_options, typed_options, with_method_options
 from .options import (BenchmarkOptions, MergeBackOptions, TrainOptions, as_recorded_today, check_benchmark_options,
-                      check_merge_back, check_types, merge_back_alpha,
-                      options_from, result_options, typed_options, with_method_options)
+                      check_merge_back, merge_back_alpha, options_from)
 from .rundir import CHECKPOINT, atomic_dir, atomic_write, check_out, prepare_out, saved_options
 from .tracking import Tracker, backends_of
 
