@@ -20,8 +20,7 @@ from ..errors import InputError
 from ..lm_loss import IGNORE_INDEX, next_token_loss
 from ..merge_back import finished_name
 from .base import Method, MethodConfig, get_method, option, register
-from .full import SeqFullConfig
-from .lora import SeqLoraConfig, lora_adapters
+from .lora import lora_adapters, sequential_config
 
 BASES = ("lora", "full")
 
@@ -51,9 +50,8 @@ class EwcConfig(MethodConfig):
         self.base_config()
 
     def base_config(self):
-        if self.base == "lora":
-            return SeqLoraConfig(rank=self.rank, freeze_bottom=self.freeze_bottom)
-        return SeqFullConfig(freeze_bottom=self.freeze_bottom)
+        """The config of the method this one builds on (`lora.sequential_config`)."""
+        return sequential_config(self.base, self.rank, self.freeze_bottom)
 
 
 @register

@@ -11,7 +11,7 @@ import torch
 
 from ..models import adapter
 from .base import Method, MethodConfig, Setup, option, register
-from .full import check_freeze_bottom
+from .full import SeqFullConfig, check_freeze_bottom
 
 
 def target_modules(model):
@@ -142,3 +142,11 @@ class SeqLora(Lora):
 
     def load_state_dict(self, state: Dict):
         self.previous = dict(state.get("previous", {}))
+
+
+def sequential_config(base: str, rank: int, freeze_bottom: int) -> MethodConfig:
+    """The config of the sequential method another builds on (replay, ewc): seq_lora of `rank` for
+    `base` "lora", else seq_full, both with `freeze_bottom`."""
+    if base == "lora":
+        return SeqLoraConfig(rank=rank, freeze_bottom=freeze_bottom)
+    return SeqFullConfig(freeze_bottom=freeze_bottom)

@@ -49,8 +49,7 @@ from ...models import adapter
 from .scores import (SLOT, label_space, label_space_sum, row_losses, top_k_log_probs,
                      without_tokens_sum)
 from ..base import Method, MethodConfig, get_method, option, register
-from ..full import SeqFullConfig
-from ..lora import SeqLoraConfig
+from ..lora import sequential_config
 from ..pseudo_examples import label_examples, pseudo_examples, task_format
 
 BASES = ("full", "lora")
@@ -116,10 +115,8 @@ class ReplayConfig(MethodConfig):
         self.base_config()  # checks the base's own options
 
     def base_config(self):
-        """The config of the method the buffer is mixed into."""
-        if self.base == "lora":
-            return SeqLoraConfig(rank=self.rank, freeze_bottom=self.freeze_bottom)
-        return SeqFullConfig(freeze_bottom=self.freeze_bottom)
+        """The config of the method this one builds on (`lora.sequential_config`)."""
+        return sequential_config(self.base, self.rank, self.freeze_bottom)
 
 
 @register
