@@ -16,10 +16,9 @@ import re
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-import torch
 
 from ..errors import InputError
-from .blocks import pad_rows
+from .blocks import pad_id
 from .truncation import ExampleBlocks, Truncation, check_mode, kept
 
 ROLES = ("system", "user", "assistant")
@@ -150,10 +149,4 @@ def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, max_le
         examples.append(n)
     counts.check(source, f"none keeps an assistant token to train on within --max-length {max_length} "
                          f"(truncation_mode {truncation_mode}); raise --max-length or choose the other truncation_mode")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids, attention_mask = pad_rows(rows, pad, max_length)
-    labelled = torch.zeros_like(input_ids, dtype=torch.bool)
-    for i, row in enumerate(labels):
-        labelled[i, :len(row)] = torch.tensor(row, dtype=torch.bool)
-    return ExampleBlocks({"input_ids": input_ids, "attention_mask": attention_mask,
-                          "labels": input_ids.masked_fill(~labelled, -100)}, counts, examples)
+    return ExampleBlocks.of_rows(rows, labels, pad_id(tokenizer), max_length, counts, examples)

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-import torch
 
 from ..errors import InputError
 from .chat import chat_blocks, messages_of
 from .chat import chat_template as chat_template_of
-from .blocks import (BlockSet, TensorBlocks, document_bos, document_ids, pad_id, pad_rows, split_views,
+from .blocks import (BlockSet, TensorBlocks, document_bos, document_ids, pad_id, split_views,
                      token_blocks)
 from .large_corpus import corpus_blocks
 from .packing import DocumentRows
@@ -217,12 +216,8 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, max_lengt
         kept_examples.append(n)
     counts.check(source, f"each answer with its EOS takes --max-length {max_length} tokens or more (the longest "
                          f"{longest}), which leaves no room for the prompt; raise --max-length")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    input_ids, attention_mask = pad_rows(rows, pad, max_length)
-    positions = torch.arange(max_length)
-    labelled = ((positions >= torch.tensor(answer_starts)[:, None]) | train_on_prompt) & (attention_mask == 1)
-    return ExampleBlocks({"input_ids": input_ids, "attention_mask": attention_mask,
-                          "labels": input_ids.masked_fill(~labelled, -100)}, counts, kept_examples)
+    marks = [[train_on_prompt or t >= start for t in range(len(row))] for row, start in zip(rows, answer_starts)]
+    return ExampleBlocks.of_rows(rows, marks, pad_id(tokenizer), max_length, counts, kept_examples)
 
 
 def is_conversational_file(path: Path) -> bool:

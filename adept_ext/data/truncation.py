@@ -49,6 +49,21 @@ class ExampleBlocks(dict):
         super().__init__(tensors)
         self.truncation, self.examples = truncation, list(examples)
 
+    @classmethod
+    def of_rows(cls, rows: Sequence[Sequence[int]], marks: Sequence[Sequence[bool]], pad: int, width: int,
+                truncation: Truncation, examples: Sequence[int]) -> "ExampleBlocks":
+        """The one labelling step of instruction and conversational examples: each kept example's
+        tokens (`rows`) right-padded with `pad` to `width`, labelled with its own ids where `marks`
+        (one per token) is set and -100 elsewhere, padding included."""
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        labelled = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, (row, mark) in enumerate(zip(rows, marks)):
+            input_ids[i, :len(row)] = torch.as_tensor(row)
+            labelled[i, :len(row)] = torch.as_tensor(mark, dtype=torch.bool)
+        attention_mask = (torch.arange(width) < torch.tensor([len(r) for r in rows], dtype=torch.long)[:, None]).long()
+        return cls({"input_ids": input_ids, "attention_mask": attention_mask,
+                    "labels": input_ids.masked_fill(~labelled, -100)}, truncation, examples)
+
     def of_examples(self, examples: Sequence[int]) -> "ExampleBlocks":
         """The blocks of those source examples (each one of `self.examples`), in that order."""
         row = {e: i for i, e in enumerate(self.examples)}
