@@ -11,7 +11,8 @@ from tiny_models import write_run_workspace
 
 from adept_ext.evaluation import harness, lm_eval_tasks
 from adept_ext.data.blocks import document_bos
-from adept_ext.data.tasks import answer_scores, instruction_blocks, load_task
+from adept_ext.data.tasks import instruction_blocks, load_task
+from adept_ext.evaluation.answers import answer_scores
 
 pytest.importorskip("lm_eval")
 
