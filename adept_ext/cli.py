@@ -210,7 +210,7 @@ def _load(cfg, command):
 def _diagnose(cfg, progress):
     from .lens import boundary_from
     from .probe import layer_importance
-    from .train import run_diagnosis
+    from .training.one_domain import run_diagnosis
 
     model, corpora, out = _load(cfg, "diagnose")
     scores = layer_importance(model, corpora.general_probe, progress=progress)

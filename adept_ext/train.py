@@ -24,29 +24,27 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Collection, Dict
 
 import torch
 
-from . import data, held, merge_back, parallel
+from . import data, held, parallel
 from .evaluation import harness
 from .errors import InputError, RunError
-from .lens import Diagnosis, diagnose
 from .data.truncation import report_entries
-from .lens_inputs import context_query_task, fewshot_topic_task
 from .methods import create, method_names
 from .methods.base import option
 from .methods.freeze_deep import DIAGNOSIS_TASKS
 from .lm_loss import check_packing, loss_path
 from .models import load_model, place_model
-from .report import plot_loss_curves, plot_merge_front
-from .training import drift
+from .report import plot_loss_curves
+from .training.one_domain import RunHooks, diagnosis_batches, evaluated_held, merged_back
 from .training.markdown import run_markdown
 from .training.options import TOOLS
-from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, TaskHooks, Tracker, TrainOptions, atomic_dir,
-                       atomic_write, check_memory, check_merge_back, check_out, device_for, evaluate,
-                       fit_task, frozen_dtype_for, held_as_frozen, merge_back_alpha, options_from, peak_memory_mb,
-                       prepare_out, read_checkpoint, remove_stale_shards, use_bf16, with_method_options)
+from .training import (CHECKPOINT, BenchmarkOptions, MergeBackOptions, Tracker, TrainOptions, atomic_dir, atomic_write,
+                       check_memory, check_merge_back, check_out, device_for, fit_task, frozen_dtype_for,
+                       held_as_frozen, options_from, prepare_out, read_checkpoint, remove_stale_shards, use_bf16,
+                       with_method_options)
 
 logger = logging.getLogger(__name__)
 METHODS = tuple(method_names(single_domain=True))
@@ -127,142 +125,12 @@ def config_from(overrides: Dict, given: Collection[str] = ()) -> RunConfig:
     return cfg
 
 
-def diagnosis_batches(cfg, corpora) -> List[Dict[str, torch.Tensor]]:
-    """Composite inputs s_1 ⊕ s_2 for LayerTracer (docs/methods.md §3): few-shot BBC News topic
-    classification (bbc-topic), or the general probe blocks split in half into context and
-    query (context)."""
-    if cfg.diagnosis_task == "bbc-topic":
-        return fewshot_topic_task(corpora.tokenizer, n_queries=cfg.diagnosis_queries, shots=3, words=24,
-                                       batch_size=cfg.batch_size, seed=cfg.seed)
-    return context_query_task(corpora.general_context, cfg.max_length // 2)
-
-
-def run_diagnosis(model, cfg, corpora, importance=None, progress=True) -> Diagnosis:
-    """LayerTracer's logit lens and layer sensitivity on `cfg.diagnosis_task` (see lens.py)."""
-    try:
-        return diagnose(model, diagnosis_batches(cfg, corpora), importance, progress=progress)
-    except (FileNotFoundError, InputError) as e:
-        raise RunError(f"diagnosis: {e}") from e
-
-
 def run(cfg: RunConfig, progress: bool = True, log=logger.info) -> Dict:
     """All stages of a run; returns the report (also written to `cfg.out`). Under torchrun
     (WORLD_SIZE > 1) the ranks train one model with DistributedDataParallel (or FSDP2 under
     `parallel="fsdp2"`) and rank 0 writes."""
     device = device_for(cfg)
     return parallel.run_on_ranks(device, lambda progress_, log_: _run(cfg, device, progress_, log_), progress, log)
-
-
-class _RunHooks(TaskHooks):
-    """The one-domain run's part of the task: stage timings, artifacts, periodic and final
-    evaluation (into the history and to the tracker)."""
-
-    def __init__(self, cfg, model, corpora, out, report, history, device, tracker, progress, log):
-        self.cfg, self.model, self.corpora, self.out, self.report = cfg, model, corpora, out, report
-        self.history, self.device, self.tracker, self.progress, self.log = history, device, tracker, progress, log
-        self.t0, self.first_step = time.time(), 0
-        self.tokenizer = self.final_benchmarks = self.drift_reference = None
-
-    def stage(self, name, **extra):
-        self.report["stages"][name] = {"seconds": round(time.time() - self.t0, 2),
-                                       "peak_memory_mb": round(peak_memory_mb(self.device)), **extra}
-        self.t0 = time.time()
-
-    def evaluate(self, step: int, label="", group="eval", base=False):
-        """The held-out losses and, with --drift-tokens, the drift signal (`drift.mean_kl`; on the `base`
-        model its reference is taken, and the base's own KL is 0), sent to the tracker as
-        `group`/general_loss, `group`/domain_loss and `group`/kl_to_base."""
-        c = self.corpora
-        result = {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress,
-                                 self.cfg.loss_implementation)
-                  for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
-        if self.cfg.drift_tokens and base:
-            self.drift_reference = drift.base_distributions(self.model, c.general_eval, self.cfg.drift_tokens,
-                                                            self.device)
-            result["kl_to_base"] = 0.0
-        elif self.cfg.drift_tokens:
-            result["kl_to_base"] = drift.mean_kl(self.model, c.general_eval, self.drift_reference, self.device)
-        self.tracker.log({f"{group}/{name}": value for name, value in result.items()}, step)
-        return result
-
-    def prepared(self, task, n_trainable):
-        self.model, self.task = task.model, task
-        if self.cfg.merge_back:  # θ₀ before any step (a resumed task is prepared anew: the same start)
-            self.merge_start = merge_back.start_weights(task.model)
-        total = sum(p.numel() for p in self.model.parameters())
-        self.stage("prepare", layers=task.layers, trainable_parameters=n_trainable,
-                   trainable_fraction=n_trainable / total)
-        if parallel.is_main():
-            task.method.write_artifacts(self.out)
-        self.log(f"{self.cfg.method}: {task.summary}; trainable {n_trainable / 1e6:.1f}M ({n_trainable / total:.1%})")
-
-    def after_step(self, step):
-        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
-            self.history["eval"].append({"step": step, **self.evaluate(step)})
-
-    def checkpoint_fields(self):
-        return {"base": self.base, "base_benchmarks": self.base_benchmarks, "drift_reference": self.drift_reference}
-
-    def trained(self, step):
-        per_step = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.max_length
-        seconds = time.time() - self.t0
-        self.stage("train", steps=step, tokens=step * per_step,  # tokens/s: per rank, the steps this process ran
-                   tokens_per_second=round((step - self.first_step) * per_step / seconds, 1) if seconds else None)
-        self.final = self.evaluate(step, " (final)")
-        self.history["eval"].append({"step": step, **self.final})
-        self.stage("final_eval", **self.final)
-
-    def unsharded(self, step):
-        if self.cfg.merge_back:  # scored on the merged model instead (`merged_back`)
-            return
-        self.final_benchmarks = harness.for_run(self.cfg, self.model, self.tokenizer,
-                                                self.out / "benchmark_samples_final.jsonl", self.tracker, step,
-                                                "final", self.log)
-        if self.final_benchmarks:
-            self.stage("final_benchmarks")
-
-
-def merged_back(cfg, model, hooks, step: int, out: Optional[Path], log) -> Tuple[Dict, Dict]:
-    """--merge-back on the finished `model` (`merge_back.MergeBack` from the start the task was prepared
-    from): the held-out losses at each α (`merge_back.GRID` for auto, else the one given), the model left
-    at the chosen α (auto: `merge_back.choose_alpha`), its evaluation as the run's final one (KL to the
-    base included). Returns (that evaluation, report.json's "merge_back": the choice, the front with its
-    Δloss from the base, the trained model's evaluation, the merge's seconds per α); merge_back.png in `out`."""
-    merger = merge_back.MergeBack(model, hooks.merge_start)
-    fixed = merge_back_alpha(cfg)
-    grid = [fixed] if fixed is not None else [a for a in merge_back.GRID if a >= cfg.merge_back_min]
-    front, seconds = [], []
-    for alpha in grid:
-        started = time.perf_counter()
-        merger.set(alpha, cfg.merge_back_schedule, cfg.merge_back_min)
-        seconds.append(time.perf_counter() - started)
-        losses = {name: evaluate(model, batches, hooks.device, f"eval {name.split('_')[0]} (α={alpha:g})",
-                                 hooks.progress, cfg.loss_implementation)
-                  for name, batches in (("general_loss", hooks.corpora.general_eval),
-                                        ("domain_loss", hooks.corpora.domain_eval))}
-        front.append({"alpha": alpha, **losses, "general_delta": losses["general_loss"] - hooks.base["general_loss"],
-                      "domain_delta": losses["domain_loss"] - hooks.base["domain_loss"]})
-    chosen = fixed if fixed is not None else merge_back.choose_alpha(front, cfg.max_forgetting)
-    merger.set(chosen, cfg.merge_back_schedule, cfg.merge_back_min)
-    final = hooks.evaluate(step, f" (merged back, α={chosen:g})", group="merged")
-    log(f"merged back toward the start at α = {chosen:g} ({cfg.merge_back_schedule}): general loss "
-        f"{final['general_loss']:.4f}, domain loss {final['domain_loss']:.4f} (trained: "
-        f"{hooks.final['general_loss']:.4f}, {hooks.final['domain_loss']:.4f})")
-    if out is not None and len(front) > 1:
-        plot_merge_front(front, chosen, out / "merge_back.png",
-                         title=f"{cfg.method}: merging back ({cfg.merge_back_schedule})")
-    return final, {"alpha": chosen, "schedule": cfg.merge_back_schedule, "alpha_min": cfg.merge_back_min,
-                   **({"max_forgetting": cfg.max_forgetting} if fixed is None else {}), "front": front,
-                   "trained": hooks.final, "merge_seconds_per_alpha": round(sum(seconds) / len(seconds), 3)}
-
-
-def evaluated_held(cfg, bf16: bool) -> Optional[str]:
-    """How `run`'s evaluations hold the frozen weights (as the steps do): "nf4" (the decoder's linear
-    layers in 4 bits, `quantize.hold_nf4`), "bfloat16", or None (exact)."""
-    if cfg.frozen_dtype == "nf4":
-        return "nf4"
-    frozen = frozen_dtype_for(cfg, bf16)
-    return None if frozen == torch.float32 else str(frozen).removeprefix("torch.")
 
 
 def _run(cfg: RunConfig, device, progress, log) -> Dict:
@@ -302,7 +170,7 @@ def _run(cfg: RunConfig, device, progress, log) -> Dict:
     history = checkpoint["task_history"] if checkpoint else {"train": [], "eval": []}
     tracker = Tracker(cfg.report_to, out, asdict(cfg), cfg.method)
     try:
-        hooks = _RunHooks(cfg, model, corpora, out, report, history, device, tracker, progress, log)
+        hooks = RunHooks(cfg, model, corpora, out, report, history, device, tracker, progress, log)
         hooks.tokenizer = tokenizer
         hooks.first_step = checkpoint["step"] if checkpoint else 0
         hooks.drift_reference = checkpoint.get("drift_reference") if checkpoint else None

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from adept_ext import data
 from adept_ext.cli import main
-from adept_ext.continual import config_from, metrics, run
+from adept_ext.continual import config_from, run
+from adept_ext.training.sequence import metrics
 from adept_ext.data.tasks import instruction_blocks, load_tasks
 from adept_ext.evaluation.answers import answer_scores
 from adept_ext.errors import RunError
@@ -147,7 +148,7 @@ def test_a_conversational_task_is_scored_by_its_greedy_reply_through_the_end_of_
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from adept_ext.continual import Evaluator
+    from adept_ext.training.sequence import Evaluator
     from adept_ext.data.tasks import Task
 
     held = data.BlockSet(data.TensorBlocks(blocks))

@@ -116,11 +116,11 @@ def test_a_killed_run_resumed_with_two_loader_workers_equals_the_uninterrupted_o
     """`adept-ext run` killed at step 3 (by Ctrl-C in the evaluation there) with 2 loader workers
     reading ahead, resumed from its checkpoint with 2 workers: the same training losses and final
     losses as one uninterrupted run with none; no worker outlives the interrupt."""
-    import adept_ext.train as train_module
+    import adept_ext.training.one_domain as one_domain
     from adept_ext.train import run
 
     full = run(options(workspace, "loader-full", steps=6, eval_every=3), progress=False, log=quiet)
-    real_evaluate, calls = train_module.evaluate, {"n": 0}
+    real_evaluate, calls = one_domain.evaluate, {"n": 0}
 
     def interrupting(*args, **kwargs):
         calls["n"] += 1
@@ -128,13 +128,13 @@ def test_a_killed_run_resumed_with_two_loader_workers_equals_the_uninterrupted_o
             raise KeyboardInterrupt
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "evaluate", interrupting)
+    monkeypatch.setattr(one_domain, "evaluate", interrupting)
     alive = workers_left_by_train_steps(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         run(options(workspace, "loader-killed", steps=6, eval_every=3, dataloader_num_workers=2), progress=False,
             log=quiet)
     assert not alive  # stopped when the steps were interrupted, not when the traceback is let go
-    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    monkeypatch.setattr(one_domain, "evaluate", real_evaluate)
     resumed = run(options(workspace, "loader-killed", steps=6, eval_every=3, dataloader_num_workers=2, resume=True),
                   progress=False, log=quiet)
     assert [h["loss"] for h in resumed["history"]["train"]] == pytest.approx(

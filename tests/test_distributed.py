@@ -348,9 +348,9 @@ def test_run_under_fsdp2_equals_one_process_with_the_same_global_batch(run_works
 
 def _killed_run_worker(rank, world, port, options, result_file):
     """`_run_worker` killed by a KeyboardInterrupt on every rank at the first mid-run evaluation."""
-    import adept_ext.train as train_module
+    import adept_ext.training.one_domain as one_domain
 
-    real_evaluate, calls = train_module.evaluate, []
+    real_evaluate, calls = one_domain.evaluate, []
 
     def interrupting(*args, **kwargs):
         calls.append(1)
@@ -358,7 +358,7 @@ def _killed_run_worker(rank, world, port, options, result_file):
             raise KeyboardInterrupt
         return real_evaluate(*args, **kwargs)
 
-    train_module.evaluate = interrupting
+    one_domain.evaluate = interrupting
     with pytest.raises(KeyboardInterrupt):
         _run_worker(rank, world, port, options, result_file)
 

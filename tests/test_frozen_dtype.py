@@ -137,10 +137,10 @@ def test_continual_holds_each_task_s_frozen_weights_in_bfloat16(continual_worksp
                                                                  held_dtypes):
     """... from the load on: every score row (each task's held-out split, the general text) is of the
     model held as the steps see it, merged on the host and held again; the saved model is exact."""
-    import adept_ext.continual as continual_module
+    import adept_ext.training.sequence as sequence_module
 
-    evaluations, real = [], continual_module.evaluate
-    monkeypatch.setattr(continual_module, "evaluate", lambda model, *a, **k: evaluations.append(
+    evaluations, real = [], sequence_module.evaluate
+    monkeypatch.setattr(sequence_module, "evaluate", lambda model, *a, **k: evaluations.append(
         {p.dtype for p in model.parameters()}) or real(model, *a, **k))  # between tasks nothing trains
     report = run_continual(continual_options(continual_workspace, "frozen-seq", method="seq_lora", bf16="on",
                                              frozen_dtype="bfloat16"), progress=False, log=quiet)
@@ -193,15 +193,15 @@ def test_auto_holds_frozen_weights_in_bfloat16_on_a_cuda_gpu(workspace, held_dty
 def frozen_dtypes_in_evaluations(monkeypatch) -> list:
     """Per evaluation `run` makes (base, during the task, final): the dtypes of the parameters that
     do not train."""
-    import adept_ext.train as train_module
+    import adept_ext.training.one_domain as one_domain
 
-    seen, real = [], train_module.evaluate
+    seen, real = [], one_domain.evaluate
 
     def record(model, *args, **kwargs):
         seen.append({p.dtype for p in model.parameters() if not p.requires_grad})
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "evaluate", record)
+    monkeypatch.setattr(one_domain, "evaluate", record)
     return seen
 
 

@@ -165,10 +165,10 @@ def test_a_run_holds_frozen_layers_in_four_bits_and_saves_exact_weights(workspac
 def test_a_sequence_holds_every_task_s_frozen_layers(workspace, held, monkeypatch, bf16):
     """In 4 bits during each task's steps; between tasks (the score rows) the model merged on the host
     and held as loaded (bfloat16 under bf16 autocast), never a 4-bit layer; saved exact."""
-    import adept_ext.continual as continual_module
+    import adept_ext.training.sequence as sequence_module
 
-    evaluations, real = [], continual_module.evaluate
-    monkeypatch.setattr(continual_module, "evaluate", lambda model, *a, **k: evaluations.append(
+    evaluations, real = [], sequence_module.evaluate
+    monkeypatch.setattr(sequence_module, "evaluate", lambda model, *a, **k: evaluations.append(
         {p.dtype for p in model.parameters()}) or real(model, *a, **k))
     report = run_continual(continual_options(workspace, f"nf4-seq-{bf16}", method="seq_lora", frozen_dtype="nf4",
                                              bf16=bf16), progress=False, log=quiet)

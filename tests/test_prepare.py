@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 
 import adept_ext
 from adept_ext import continual, data, train
+from adept_ext.training import one_domain
 from adept_ext.errors import InputError
 from adept_ext.hf import MethodCallback
 from adept_ext.methods import REGISTRY
@@ -124,14 +125,14 @@ def test_prepare_equals_the_run(workspace, tmp_path, method, loop):
     corpora = data.Corpora(cfg, tokenizer)
     task = adept_ext.prepare(model, method_of(cfg, False), general_probe=corpora.general_probe,
                              domain_probe=corpora.domain_probe, lr=cfg.lr, total_steps=cfg.steps,
-                             diagnosis_batches=lambda: train.diagnosis_batches(cfg, corpora), progress=False)
+                             diagnosis_batches=lambda: one_domain.diagnosis_batches(cfg, corpora), progress=False)
     if loop == "plain":
         losses = plain_loop(task, corpora.domain_train, cfg)
         assert losses == pytest.approx([h["loss"] for h in report["history"]["train"]], rel=1e-6)
     else:
         trainer_loop(task, corpora.domain_train, cfg, tmp_path)
     finished = task.finish()
-    assert train.evaluate(finished, corpora.domain_eval, "cpu", progress=False,
+    assert one_domain.evaluate(finished, corpora.domain_eval, "cpu", progress=False,
                           loss_implementation=cfg.loss_implementation) == pytest.approx(
         report["final"]["domain_loss"], rel=1e-6)
     assert_same_weights(finished, cfg.out + "/model")

@@ -121,21 +121,21 @@ def killed_and_resumed(workspace, monkeypatch, run_name, **kw):
     the task (step 3), after the in-task checkpoint, then resumed; and that checkpoint."""
     full = run(options(workspace, f"uninterrupted-{run_name}", steps=6, eval_every=3, **kw),
                progress=False, log=lambda *a: None)
-    import adept_ext.train as train_module
+    import adept_ext.training.one_domain as one_domain
 
-    real_evaluate = train_module.evaluate
+    real_evaluate = one_domain.evaluate
 
     def interrupting(model, batches, device, desc, *args, **kwargs):
         if desc == "eval general":  # the first evaluation inside the task: base evaluations are labelled
             raise KeyboardInterrupt
         return real_evaluate(model, batches, device, desc, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "evaluate", interrupting)
+    monkeypatch.setattr(one_domain, "evaluate", interrupting)
     with pytest.raises(KeyboardInterrupt):
         run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, **kw), progress=False,
             log=lambda *a: None)
     checkpoint = read_checkpoint(workspace / f"killed-{run_name}")
-    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    monkeypatch.setattr(one_domain, "evaluate", real_evaluate)
     resumed = run(options(workspace, f"killed-{run_name}", steps=6, eval_every=3, resume=True, **kw),
                   progress=False, log=lambda *a: None)
     return full, resumed, checkpoint
@@ -520,9 +520,9 @@ def test_every_option_refuses_a_bad_value(command, field, opt, paths, monkeypatc
 
 def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspace, monkeypatch, capsys):
     out = workspace / "resume-cli"
-    import adept_ext.train as train_module
+    import adept_ext.training.one_domain as one_domain
 
-    real_evaluate = train_module.evaluate
+    real_evaluate = one_domain.evaluate
     calls = {"n": 0}
 
     def interrupting(*args, **kwargs):
@@ -531,11 +531,11 @@ def test_resume_takes_the_runs_own_options_and_refuses_conflicting_ones(workspac
             raise KeyboardInterrupt
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "evaluate", interrupting)
+    monkeypatch.setattr(one_domain, "evaluate", interrupting)
     with pytest.raises(KeyboardInterrupt):
         run(options(workspace, "resume-cli", method="full", steps=4, gradient_checkpointing=True), progress=False,
             log=lambda *a: None)
-    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    monkeypatch.setattr(one_domain, "evaluate", real_evaluate)
     assert main(["run", "--out", str(out), "--resume", "--method", "lora", "--no-progress"]) == 2
     assert "differs from the run's own method ('full')" in capsys.readouterr().err
     marker = json.loads((out / "run.json").read_text())

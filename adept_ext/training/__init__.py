@@ -1,5 +1,6 @@
 """The training engine both runners (`train`, `continual`) share: options and their checks (`options`), a
-runner's config composed and read from their declarations (`config`),
+runner's config composed and read from their declarations (`config`), each runner's evaluation hooks,
+scores and report (`one_domain`, `sequence`, `markdown`),
 device, precision and memory, the loop (`fit_task` with its `TaskHooks`), checkpoints and
 shards, run directories. It composes the mechanisms and `methods`; nothing below imports it."""
 from .checkpoint import (SHARDS, load_training_state, read_checkpoint, remove_stale_shards, rng_state,
