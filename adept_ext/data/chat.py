@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-
 from ..errors import InputError
 from .blocks import pad_id
 from .truncation import ExampleBlocks, Truncation, check_mode, kept

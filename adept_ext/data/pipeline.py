@@ -1,7 +1,7 @@
 """What a run trains and evaluates on, built from one description: the options of a runner's config
 (`adept_ext.train.config_from({...})` or `adept_ext.continual.config_from({...})`; any object with
 the attributes named below), so a user's own loop gets exactly the rows the runners use
-(docs/api.md, "The data pipeline"):
+(docs/api.md, "The runners' data, in your loop"):
 
     corpora = data.Corpora(cfg, tokenizer)         # one domain: general and domain, train / held-out / probe
     sequence = data.TaskSequence(cfg, tokenizer)   # a task sequence and the general corpus held out from it

@@ -16,6 +16,7 @@ from typing import Callable, Dict, Sequence
 import torch
 
 from ..errors import InputError
+from .blocks import pad_rows
 
 MODES = ("keep_end", "keep_start")
 
@@ -55,12 +56,10 @@ class ExampleBlocks(dict):
         """The one labelling step of instruction and conversational examples: each kept example's
         tokens (`rows`) right-padded with `pad` to `width`, labelled with its own ids where `marks`
         (one per token) is set and -100 elsewhere, padding included."""
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        labelled = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, (row, mark) in enumerate(zip(rows, marks)):
-            input_ids[i, :len(row)] = torch.as_tensor(row)
-            labelled[i, :len(row)] = torch.as_tensor(mark, dtype=torch.bool)
-        attention_mask = (torch.arange(width) < torch.tensor([len(r) for r in rows], dtype=torch.long)[:, None]).long()
+        input_ids, attention_mask = pad_rows(rows, pad, width)
+        labelled = torch.zeros_like(input_ids, dtype=torch.bool)
+        for i, mark in enumerate(marks):
+            labelled[i, :len(mark)] = torch.as_tensor(mark, dtype=torch.bool)
         return cls({"input_ids": input_ids, "attention_mask": attention_mask,
                     "labels": input_ids.masked_fill(~labelled, -100)}, truncation, examples)
 
