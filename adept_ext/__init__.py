@@ -35,7 +35,7 @@ from .methods import get_method
 from .methods.task import Task, prepare
 from .ops import check_cuda_device, compiled_cuda_arch_list, linear_cross_entropy, taylor_importance
 from .ops.torch_internals import has_kernel
-from .units import mean_importance
+from .adept.units import mean_importance
 
 __all__ = ["Task", "check_cuda_device", "compiled_cuda_arch_list", "cuda_available", "get_method",
            "linear_cross_entropy", "mean_importance", "ops", "prepare", "reference", "taylor_importance"]

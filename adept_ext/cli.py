@@ -163,9 +163,9 @@ def resolve_config(args):
 
 def _probe_or_expand(cfg, command, progress):
     from .data import corpus_blocks, data_workers, split_views
-    from .expand import expand_layers
+    from .adept.expand import expand_layers
     from .models import load_model
-    from .probe import layer_importance
+    from .adept.probe import layer_importance
     from .training import check_out, device_for, prepare_out
 
     check_out(cfg, command)
@@ -209,7 +209,7 @@ def _load(cfg, command):
 
 def _diagnose(cfg, progress):
     from .lens import boundary_from
-    from .probe import layer_importance
+    from .adept.probe import layer_importance
     from .training.one_domain import run_diagnosis
 
     model, corpora, out = _load(cfg, "diagnose")

@@ -18,9 +18,9 @@ from transformers import TrainerCallback
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer_callback import ExportableState
 
-from .lr import DecoupledLR
+from .adept.lr import DecoupledLR
 from .methods.task import Task
-from .units import UnitImportance
+from .adept.units import UnitImportance
 
 
 class MethodCallback(TrainerCallback, ExportableState):
@@ -132,7 +132,7 @@ class ADEPTCallback(TrainerCallback, ExportableState):
     unit importance every `every` optimizer steps, and logs the per-unit rates.
 
     The optimizer must have one param group per unit: pass
-    ``optimizers=(torch.optim.AdamW(adept_ext.lr.param_groups(model, lr)), None)`` to the
+    ``optimizers=(torch.optim.AdamW(adept_ext.adept.lr.param_groups(model, lr)), None)`` to the
     Trainer (it then builds its own scheduler on top, which composes with the multipliers).
     The recompute runs in the training's precision: under autocast bf16/fp16 when the Trainer's
     `args.bf16`/`args.fp16` is set (`autocast_dtype="auto"`, the default), or as given.

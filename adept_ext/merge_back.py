@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import held
+from .models import held
 from .errors import InputError
 from .models import adapter
 

@@ -5,7 +5,7 @@ GPUs, gloo on the CPU) and `wrap` puts the trained model into DistributedDataPar
 Conventions of the runners under data parallelism: every rank loads the same model and data and
 seeds the same way; rank r takes micro-batches r, r + W, r + 2W, … of the sequence a single
 process would take (so W ranks with grad_accum g equal one process with grad_accum g·W); probes
-and unit importance shard their batches and all-reduce (probe.py, units.py); evaluation runs on
+and unit importance shard their batches and all-reduce (adept/probe.py, adept/units.py); evaluation runs on
 every rank (identical results; under FSDP2 with the same all-gathers on every rank); rank 0 alone
 writes files and logs.
 

@@ -28,7 +28,8 @@ from typing import Collection, Dict
 
 import torch
 
-from . import data, held, parallel
+from . import data, parallel
+from .models import held
 from .evaluation import harness
 from .errors import InputError, RunError
 from .data.truncation import report_entries

@@ -15,7 +15,7 @@ from adept_ext.errors import InputError
 from adept_ext.methods import AdeptConfig, LlamaProConfig, LoraMethodConfig, SeqLoraConfig
 from adept_ext.methods.lora import lora_adapters
 from adept_ext.models import REFUSED_ARCHITECTURES, adapter, family_of, load_model
-from adept_ext.units import UnitImportance
+from adept_ext.adept.units import UnitImportance
 
 METHODS = {"adept": AdeptConfig(k=1), "lora": LoraMethodConfig(rank=2), "llama_pro": LlamaProConfig(k=1),
            "seq_lora": SeqLoraConfig(rank=2)}
@@ -65,7 +65,7 @@ def test_unit_importance_equals_plain_pytorch(arch):
     ADEPT does for fresh copies) equals plain PyTorch's per-unit mean of |θ ⊙ ∇θ|; in a mixture of
     experts the router is a unit of its own ("router") and the fused expert tensors are units."""
     model = tiny_model(arch)
-    from adept_ext.expand import expand_layers
+    from adept_ext.adept.expand import expand_layers
 
     expand_layers(model, [0, 3])
     batches = padded_batches()

@@ -3,7 +3,8 @@ import pytest
 import torch
 from tiny_models import padded_batches, tiny_model
 
-from adept_ext import linear_cross_entropy, ops, probe, reference
+from adept_ext import linear_cross_entropy, ops, reference
+from adept_ext.adept import probe
 from adept_ext.ops import GPU_MIN_CHUNK_ROWS, cross_entropy, default_chunk_rows
 
 

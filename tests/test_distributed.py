@@ -6,7 +6,7 @@ import ranks
 from tiny_models import padded_batches, save_whole_block_llama, tiny_model, write_run_workspace
 
 from adept_ext.lm_loss import next_token_loss
-from adept_ext.probe import layer_importance
+from adept_ext.adept.probe import layer_importance
 
 
 def _probe_worker(rank, world, init_file, result_file):
@@ -63,8 +63,8 @@ def test_probe_all_reduces_to_the_single_process_result(tmp_path):
 def _units_worker(rank, world, init_file, result_file, use_ddp):
     from torch.nn.parallel import DistributedDataParallel
 
-    from adept_ext.expand import expand_layers
-    from adept_ext.units import UnitImportance
+    from adept_ext.adept.expand import expand_layers
+    from adept_ext.adept.units import UnitImportance
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -85,8 +85,8 @@ def _units_worker(rank, world, init_file, result_file, use_ddp):
 
 @pytest.mark.parametrize("use_ddp", [False, True])
 def test_unit_importance_all_reduces_to_the_single_process_result(tmp_path, use_ddp):
-    from adept_ext.expand import expand_layers
-    from adept_ext.units import UnitImportance
+    from adept_ext.adept.expand import expand_layers
+    from adept_ext.adept.units import UnitImportance
 
     ranks.spawn(_units_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out"), use_ddp), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
@@ -401,8 +401,8 @@ def _spawn_with_timeout(fn, args, timeout=240):
 def _sharded_probe_worker(rank, world, init_file, result_file, n_batches):
     from torch.distributed.fsdp import fully_shard
 
-    from adept_ext.expand import expand_layers
-    from adept_ext.units import UnitImportance
+    from adept_ext.adept.expand import expand_layers
+    from adept_ext.adept.units import UnitImportance
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -424,8 +424,8 @@ def test_probe_and_units_on_an_fsdp2_model_with_unequal_batch_counts_finish_and_
     """3 probe batches on 2 ranks of a fully_shard model: the ranks make the same collective calls
     (the probe pads rank 1 with a zero-weight batch, unit importance runs every batch on every
     rank), so they finish (timeout) with the single-process scores."""
-    from adept_ext.expand import expand_layers
-    from adept_ext.units import UnitImportance
+    from adept_ext.adept.expand import expand_layers
+    from adept_ext.adept.units import UnitImportance
 
     _spawn_with_timeout(_sharded_probe_worker, (2, str(tmp_path / "init"), str(tmp_path / "out"), 3))
     r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))

@@ -385,7 +385,7 @@ def test_the_default_student_takes_the_mlp_gate_projections(arch, gate):
 def test_the_base_is_shifted_exactly_where_the_runner_holds_it_in_bfloat16():
     """W ← W − s·B₀A₀ goes into the exact value a held weight keeps (`held.assign`), which the merge
     and the save read, not only into its bfloat16 copy (which would leave B₀A₀ counted twice)."""
-    from adept_ext import held
+    from adept_ext.models import held
 
     model, method, optimizer = make()
     for batch in padded_batches(n_batches=2):

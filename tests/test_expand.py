@@ -3,9 +3,9 @@ import torch
 from tiny_models import ARCHS, padded_batches, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from adept_ext.expand import expand_layers, select_layers
+from adept_ext.adept.expand import expand_layers, select_layers
 from adept_ext.models import adapter
-from adept_ext.probe import layer_importance
+from adept_ext.adept.probe import layer_importance
 
 
 def logits(model, batch):

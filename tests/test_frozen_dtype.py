@@ -18,7 +18,7 @@ import adept_ext.training.loop as loop
 from adept_ext.cli import main
 from adept_ext.continual import run as run_continual
 from adept_ext.errors import RunError
-from adept_ext.held import release as release_frozen
+from adept_ext.models.held import release as release_frozen
 from adept_ext.train import run
 from adept_ext.training.device import exact_host_bytes, hold_frozen, memory_estimate
 
@@ -226,8 +226,8 @@ def test_run_holds_the_frozen_weights_from_the_load_to_the_export(workspace, mon
 
 
 def test_a_model_loaded_held_is_exact_on_export_and_copies_its_exact_layers(workspace):  # noqa: F811
-    from adept_ext import held
-    from adept_ext.expand import expand_layers
+    from adept_ext.models import held
+    from adept_ext.adept.expand import expand_layers
     from adept_ext.models import load_model
 
     source = AutoModelForCausalLM.from_pretrained(workspace / "tiny").state_dict()  # a float32 checkpoint
@@ -252,7 +252,7 @@ def test_a_model_loaded_held_is_exact_on_export_and_copies_its_exact_layers(work
 def test_held_assign_keeps_the_exact_value_and_rounds_the_held_copy():
     from tiny_models import tiny_model
 
-    from adept_ext import held
+    from adept_ext.models import held
 
     model = tiny_model("llama")
     p = model.model.norm.weight

@@ -109,7 +109,7 @@ metric_list:
 
 
 def expanded(model):
-    from adept_ext.expand import expand_layers
+    from adept_ext.adept.expand import expand_layers
 
     expand_layers(model, [1])
     with torch.no_grad():  # the copy starts as an identity (FPI): move it so that it counts

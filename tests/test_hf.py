@@ -8,9 +8,9 @@ from tiny_models import padded_batches, tiny_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import adept_ext
-from adept_ext.expand import expand_layers
+from adept_ext.adept.expand import expand_layers
 from adept_ext.hf import ADEPTCallback, MethodCallback
-from adept_ext.lr import DecoupledLR, param_groups
+from adept_ext.adept.lr import DecoupledLR, param_groups
 from adept_ext.methods import AdeptConfig
 
 

@@ -3,9 +3,9 @@
 Layers, lowest first; a module may import its own layer and the layers below it, never one above:
 
     0 kernels      ops, reference, _C, _cuda_arch, _build_info
-    1 mechanisms   models, lm_loss, probe, expand, placement, units, lr, optim, projection, lens, lens_inputs,
-                   parallel, report, data (module or data/ package), tasks, large_corpus, errors,
-                   evaluation/ (harness, lm_eval_tasks, general_suite, paired), quantize, held, merge_back
+    1 mechanisms   models/ (families, loading, held, quantize), lm_loss, adept/ (probe, placement, expand, units,
+                   lr), optim, projection, lens/ (diagnosis, inputs), parallel, report, data/, errors,
+                   evaluation/ (harness, lm_eval_tasks, general_suite, answers, paired), merge_back
     2 methods      adept_ext/methods/
     3 training     adept_ext/training/
     4 runners      train.py, continual.py, hf.py (the Trainer integration of methods and mechanisms)
@@ -33,9 +33,8 @@ LAYER_NAMES = ["kernels", "mechanisms", "methods", "training", "runners", "inter
 # Top-level names under adept_ext (a module, or a package with everything in it) and their layer.
 LAYERS = {
     **dict.fromkeys(("ops", "reference", "_C", "_cuda_arch", "_build_info"), KERNELS),
-    **dict.fromkeys(("models", "lm_loss", "probe", "expand", "placement", "units", "lr", "optim", "projection", "lens",
-                     "lens_inputs", "parallel", "report", "data", "tasks", "large_corpus", "errors", "evaluation",
-                     "quantize", "held", "merge_back"),
+    **dict.fromkeys(("models", "lm_loss", "adept", "optim", "projection", "lens", "parallel", "report", "data",
+                     "errors", "evaluation", "merge_back"),
                     MECHANISMS),
     "methods": METHODS,
     "training": TRAINING,
@@ -297,7 +296,7 @@ def test_the_parser_sees_the_imports_it_must_check():
     each kind (relative, submodule, inside a function, two levels up) are found as such."""
     found = {(i.importer, i.target, i.names, i.function) for i in imports()}
     assert ("adept_ext.__main__", "adept_ext.cli", ("main",), None) in found
-    assert ("adept_ext.methods.adept", "adept_ext.placement", (), None) in found  # from .. import placement
+    assert ("adept_ext.methods.adept", "adept_ext.adept.placement", (), None) in found  # from ..adept import placement
     assert ("adept_ext.ops.checks", "adept_ext._build_info", ("CUDA_ARCH_LIST",), "compiled_cuda_arch_list") in found
     assert ("adept_ext", "adept_ext._C", (), None) in found  # allowed: from . import _C
     kernels_and_root = [i for i in imports() if i.importer == "adept_ext" or i.importer.startswith("adept_ext.ops")]
@@ -308,12 +307,12 @@ PLANTED = {  # a tiny package with one violation of every rule, and imports that
     "__init__.py": "from . import _C\nfrom .ops import kernel\n",
     "_cuda_arch.py": "",
     "ops.py": "from . import _cuda_arch\n\ndef kernel():\n    from ._build_info import CUDA_ARCH_LIST\n",
-    "units.py": "from .ops import kernel\n",
-    "data.py": "import os\nfrom .units import x\n\ndef blocks():\n    from .large_corpus import packed\n",
-    "large_corpus.py": "from . import data\n",
-    "lr.py": "from .methods.base import Method\n",                     # mechanism -> methods
+    "projection.py": "from .ops import kernel\n",
+    "data.py": "import os\nfrom .projection import x\n\ndef blocks():\n    from .lm_loss import packed\n",
+    "lm_loss.py": "from . import data\n",
+    "optim.py": "from .methods.base import Method\n",                     # mechanism -> methods
     "methods/__init__.py": "from .base import Method\n",
-    "methods/base.py": "from ..units import x\n\nclass Method:\n    from ..training.loop import steps\n",
+    "methods/base.py": "from ..projection import x\n\nclass Method:\n    from ..training.loop import steps\n",
     "training/__init__.py": "",
     "training/loop.py": "import adept_ext.hf\n",                       # training -> runner
     "hf.py": "",
@@ -333,26 +332,28 @@ def test_the_checks_report_planted_violations(tmp_path):
     assert unlayered_modules(package) == [
         "adept_ext.helper (adept_ext/helper.py) is in no layer: add it to LAYERS in tests/test_import_rules.py"]
     assert upward_imports(found) == [
-        "adept_ext/lr.py:1 (module level): adept_ext.lr [mechanisms] imports adept_ext.methods.base (Method) [methods]",
         "adept_ext/methods/base.py:4 (module level): adept_ext.methods.base [methods] imports adept_ext.training.loop "
         "(steps) [training]",
+        "adept_ext/optim.py:1 (module level): adept_ext.optim [mechanisms] imports adept_ext.methods.base (Method) "
+        "[methods]",
         "adept_ext/report.py:1 (module level): adept_ext.report [mechanisms] imports adept_ext (kernel) [interface]",
         "adept_ext/training/loop.py:1 (module level): adept_ext.training.loop [training] imports adept_ext.hf "
         "[runners]"]
     assert import_cycles(found) == [
-        "import cycle among modules adept_ext.data <-> adept_ext.large_corpus: adept_ext.data -> "
-        "adept_ext.large_corpus at adept_ext/data.py:5 (in blocks()); adept_ext.large_corpus -> adept_ext.data at "
-        "adept_ext/large_corpus.py:1 (module level)"]
+        "import cycle among modules adept_ext.data <-> adept_ext.lm_loss: adept_ext.data -> "
+        "adept_ext.lm_loss at adept_ext/data.py:5 (in blocks()); adept_ext.lm_loss -> adept_ext.data at "
+        "adept_ext/lm_loss.py:1 (module level)"]
     assert private_imports(found) == [
         "adept_ext/cli.py:2 (in main()): adept_ext.cli imports private _device from adept_ext.train"]
     # a cycle between packages that is no cycle between modules: methods.base -> units, units -> methods.other
-    (package / "units.py").write_text("from .ops import kernel\nfrom .methods import base\n")
+    (package / "projection.py").write_text("from .ops import kernel\nfrom .methods import base\n")
     cycles = import_cycles(imports(package))
-    assert any(c.startswith("import cycle among modules adept_ext.methods.base <-> adept_ext.units") for c in cycles)
-    (package / "units.py").write_text("from .ops import kernel\nfrom .methods.other import y\n")
+    assert any(c.startswith("import cycle among modules adept_ext.methods.base <-> adept_ext.projection")
+               for c in cycles)
+    (package / "projection.py").write_text("from .ops import kernel\nfrom .methods.other import y\n")
     (package / "methods" / "other.py").write_text("")
     cycles = import_cycles(imports(package))
-    assert any(c.startswith("import cycle among top-level packages methods <-> units") for c in cycles), cycles
+    assert any(c.startswith("import cycle among top-level packages methods <-> projection") for c in cycles), cycles
 
 
 TORCH_INTERNALS = PACKAGE_DIR / "ops" / "torch_internals.py"

@@ -7,8 +7,8 @@ from tiny_models import ARCHS, padded_batches, tiny_model
 
 from adept_ext import reference
 from adept_ext.lens import Diagnosis, allocate, diagnose, layer_sensitivity, logit_lens
-from adept_ext.lens_inputs import context_query_task, fewshot_topic_task
-from adept_ext.probe import layer_importance
+from adept_ext.lens.inputs import context_query_task, fewshot_topic_task
+from adept_ext.adept.probe import layer_importance
 
 
 def composite_batches(context_len=5, seed=1):
@@ -196,7 +196,7 @@ def test_context_query_task():
 
 
 def test_sensitivity_progress_ticks_per_layer(record_progress):
-    import adept_ext.lens as lens_module
+    import adept_ext.lens.diagnosis as lens_module
 
     model = tiny_model("llama", layers=5)
     bars = record_progress(lens_module, model)

@@ -61,7 +61,7 @@ def test_held_from_the_load_a_bfloat16_checkpoint_keeps_no_host_copy(checkpoints
     """`run`'s load under --frozen-dtype bfloat16 (`load_model(hold=...)`): every weight bfloat16 on
     the device, nothing kept on the host for a checkpoint stored in bfloat16, and float32 again, the
     same values, once exported."""
-    from adept_ext import held
+    from adept_ext.models import held
 
     model = load_model(checkpoints[0], hold=torch.bfloat16)[0]
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and held.held_bytes(model) == 0

@@ -2,9 +2,9 @@ import pytest
 import torch
 from tiny_models import padded_batches, tiny_model
 
-from adept_ext.expand import expand_layers
-from adept_ext.lr import DecoupledLR, param_groups
-from adept_ext.units import UnitImportance
+from adept_ext.adept.expand import expand_layers
+from adept_ext.adept.lr import DecoupledLR, param_groups
+from adept_ext.adept.units import UnitImportance
 
 
 def setup(lr=1e-3, every=2, floor=0.1, normalize="per_kind"):

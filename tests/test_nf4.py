@@ -14,7 +14,7 @@ from tiny_models import LORA_TARGETS, assert_merged_into_exact, save_whole_block
 from transformers import AutoModelForCausalLM
 
 import adept_ext.training.loop as loop
-from adept_ext import quantize
+from adept_ext.models import quantize
 from adept_ext.cli import main
 from adept_ext.continual import run as run_continual
 from adept_ext.train import run

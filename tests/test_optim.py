@@ -4,10 +4,10 @@ import torch
 from conftest import cuda_only
 from tiny_models import padded_batches, tiny_model
 
-from adept_ext.expand import expand_layers
-from adept_ext.lr import DecoupledLR, param_groups
+from adept_ext.adept.expand import expand_layers
+from adept_ext.adept.lr import DecoupledLR, param_groups
 from adept_ext.optim import GroupedAdamW
-from adept_ext.units import UnitImportance
+from adept_ext.adept.units import UnitImportance
 
 
 def _groups(dtype, seed=0, device="cpu"):

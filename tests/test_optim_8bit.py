@@ -14,11 +14,11 @@ import adept_ext.optim as optim  # noqa: E402
 import adept_ext.training.loop as loop  # noqa: E402
 from adept_ext.cli import main  # noqa: E402
 from adept_ext.errors import RunError  # noqa: E402
-from adept_ext.expand import expand_layers  # noqa: E402
-from adept_ext.lr import DecoupledLR, param_groups  # noqa: E402
+from adept_ext.adept.expand import expand_layers  # noqa: E402
+from adept_ext.adept.lr import DecoupledLR, param_groups  # noqa: E402
 from adept_ext.optim import OPTIMIZERS, make_optimizer, moment_bytes, state_bytes  # noqa: E402
 from adept_ext.train import config_from, run  # noqa: E402
-from adept_ext.units import UnitImportance  # noqa: E402
+from adept_ext.adept.units import UnitImportance  # noqa: E402
 
 EIGHT_BIT = [name for name in OPTIMIZERS if name != "adamw_torch"]
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")

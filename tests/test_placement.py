@@ -4,8 +4,8 @@ import pytest
 import torch
 from tiny_models import padded_batches, tiny_model
 
-from adept_ext import placement
-from adept_ext.expand import expand_layers
+from adept_ext.adept import placement
+from adept_ext.adept.expand import expand_layers
 
 GENERAL = [0.9, 0.1, 0.5, 0.2, 0.8, 0.05, 0.7, 0.3]   # I_g: layers 5, 1, 3 matter least for general text
 DOMAIN = [0.1, 0.05, 0.9, 0.8, 0.2, 0.01, 0.1, 0.6]   # I_d: layers 2, 3, 7 matter most for the domain

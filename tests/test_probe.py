@@ -4,8 +4,9 @@ import pytest
 import torch
 from tiny_models import ARCHS, padded_batches, tiny_model
 
-from adept_ext import probe, reference, report
-from adept_ext.probe import METHODS, LayerScores, layer_importance
+from adept_ext import reference, report
+from adept_ext.adept import probe
+from adept_ext.adept.probe import METHODS, LayerScores, layer_importance
 
 
 def snapshot(model):

@@ -1,4 +1,4 @@
-"""adept_ext.quantize on its own, on the CPU and on a GPU (`tools/gpu_check.sh` runs the [cuda] cases
+"""adept_ext.models.quantize on its own, on the CPU and on a GPU (`tools/gpu_check.sh` runs the [cuda] cases
 with the carried bitsandbytes wheel): `hold_nf4` swaps the frozen linear layers of the decoder for
 bitsandbytes' NF4 `Linear4bit`s on the model's device, whose forward computes with the dequantised
 weights and whose backward reaches the layers that train; `release_nf4` puts the very layers back,
@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from adept_ext import quantize
+from adept_ext.models import quantize
 
 bnb = pytest.importorskip("bitsandbytes")
 

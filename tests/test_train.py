@@ -752,7 +752,7 @@ def test_cli_probe_reads_a_corpus_folder_through_datasets_with_the_in_memory_blo
     """`adept-ext probe` on a folder corpus scores the probe blocks the in-memory path would cut."""
     from adept_ext import data
     from adept_ext.models import load_model
-    from adept_ext.probe import layer_importance
+    from adept_ext.adept.probe import layer_importance
 
     out = workspace / "probe-cli"
     argv = ["probe", "--model", str(workspace / "tiny"), "--general", str(workspace / "general"), "--out", str(out),

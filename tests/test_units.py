@@ -3,8 +3,8 @@ import torch
 from tiny_models import padded_batches, tiny_model
 
 from adept_ext import reference, taylor_importance
-from adept_ext.expand import expand_layers
-from adept_ext.units import UnitImportance, mean_importance, normalize_scores, partition
+from adept_ext.adept.expand import expand_layers
+from adept_ext.adept.units import UnitImportance, mean_importance, normalize_scores, partition
 
 
 def expanded(arch="qwen3", layers=4, copies=(0, 2)):

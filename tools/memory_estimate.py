@@ -20,11 +20,11 @@ import types
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from adept_ext.expand import expand_layers
-from adept_ext.held import release as release_frozen
+from adept_ext.adept.expand import expand_layers
+from adept_ext.models.held import release as release_frozen
 from adept_ext.methods.lora import add_lora
 from adept_ext.models import loaded_bytes
-from adept_ext.quantize import frozen_linears, nf4_bytes
+from adept_ext.models.quantize import frozen_linears, nf4_bytes
 from adept_ext.training.device import hold_frozen, memory_estimate
 
 SHAPES = {  # the published configs' shapes (no download)

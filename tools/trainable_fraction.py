@@ -8,7 +8,7 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from adept_ext.expand import expand_layers
+from adept_ext.adept.expand import expand_layers
 
 CONFIGS = {  # published shapes of the models
     "Qwen3-1.7B": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,

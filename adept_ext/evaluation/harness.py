@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import held, parallel
+from .. import parallel
+from ..models import held
 from . import lm_eval_tasks, paired
 from ..errors import InputError, RunError
 

@@ -9,13 +9,13 @@ import json
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional
 
-from .. import placement
-from ..expand import expand_layers
+from ..adept import placement
+from ..adept.expand import expand_layers
 from ..lens import boundary_from, diagnose
-from ..lr import DecoupledLR, param_groups
+from ..adept.lr import DecoupledLR, param_groups
 from ..models import adapter
 from ..report import plot_unit_rates
-from ..units import NORMALIZATIONS, UnitImportance
+from ..adept.units import NORMALIZATIONS, UnitImportance
 from .base import Context, Method, MethodConfig, MethodError, Setup, option, register
 
 
@@ -66,12 +66,12 @@ class BoundaryConfig(MethodConfig):
 
 @dataclass(kw_only=True)
 class PlacementConfig(BoundaryConfig, LayerConfig):
-    """Where Stage 1 puts the k layers: `placement` (see `adept_ext.placement`); `boundary` is the
+    """Where Stage 1 puts the k layers: `placement` (see `adept_ext.adept.placement`); `boundary` is the
     depth placement's boundary (half: none, auto: from a LayerTracer diagnosis, or a layer count)."""
 
     placement: str = option("importance", help=(
         "where the k layers go: importance (ADEPT), uniform (LLaMA-Pro's spacing), domain_aware, plasticity, depth "
-        "(below --boundary), spread (least important per depth block); see adept_ext/placement.py"))
+        "(below --boundary), spread (least important per depth block); see adept_ext/adept/placement.py"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -134,7 +134,7 @@ class LayerMethod(Method):
             raise MethodError(f"--layers {bad} out of range for a model with {n} layers")
 
     def choose(self, model, ctx: Context) -> List[int]:
-        """Stage 1 by `config.placement` (see `adept_ext.placement`; default: ADEPT's importance,
+        """Stage 1 by `config.placement` (see `adept_ext.adept.placement`; default: ADEPT's importance,
         the k layers whose bypass raises the general probe loss least)."""
         name, boundary = self.config.placement, None
         if name == "depth" and self.config.boundary.isdigit():

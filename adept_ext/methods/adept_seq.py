@@ -8,10 +8,10 @@ earlier task learned is kept bit for bit.
 from dataclasses import dataclass
 from typing import ClassVar, List
 
-from ..expand import expand_layers
+from ..adept.expand import expand_layers
 from ..models import adapter
-from ..placement import uniform
-from ..probe import layer_importance
+from ..adept.placement import uniform
+from ..adept.probe import layer_importance
 from .adept import DecoupledRates, LayerMethod, RatesConfig, check_k, describe_copies
 from .base import MethodConfig, MethodError, Setup, option, register, train_only
 

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import held, parallel
+from .. import parallel
+from ..models import held
 from ..ops import conflict_correct_, null_space_coeffs
 from ..projection import GradientMemory, NullSpaceProjector
 from .base import Method, MethodConfig, MethodError, Setup, option, register, train_only

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import ClassVar, List
 
 from ..models import adapter
-from ..placement import uniform
+from ..adept.placement import uniform
 from .adept import ExpandMethod, LayerConfig
 from .base import register
 

@@ -13,7 +13,7 @@ from typing import ClassVar, Dict, List, Tuple
 
 import torch
 
-from .. import held
+from ..models import held
 from ..merge_back import finished_name
 from .base import option, register
 from .lora import SeqLora, SeqLoraConfig, lora_adapters

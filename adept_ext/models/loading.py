@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from safetensors import SafetensorError
 
-from .. import held
+from . import held
 from ..errors import InputError
 from .families import (ATTENTION_CHOICES, ATTENTION_IMPLEMENTATIONS, FAMILY_OF, SUPPORTED_ARCHITECTURES, adapter,
                        family_of)

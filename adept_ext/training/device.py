@@ -5,7 +5,8 @@ from typing import Collection, Dict
 
 import torch
 
-from .. import held, parallel, quantize
+from .. import parallel
+from ..models import held, quantize
 from ..optim import moment_bytes, step_bytes
 from ..errors import RunError
 from ..lm_loss import uses_fused_loss

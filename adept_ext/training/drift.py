@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .. import held
+from ..models import held
 from ..lm_loss import IGNORE_INDEX, base_model, final_hidden, packed_layout
 from ..models import adapter
 from .loop import batch_to_device, vocab_size

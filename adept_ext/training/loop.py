@@ -11,7 +11,8 @@ from typing import Dict, Optional
 import torch
 from tqdm.auto import tqdm
 
-from .. import held, lm_loss, parallel, quantize
+from .. import lm_loss, parallel
+from ..models import held, quantize
 from ..data import check_labels
 from ..lm_loss import base_model, next_token_loss
 from ..models import adapter

@@ -12,7 +12,7 @@ from .. import merge_back, parallel
 from ..errors import InputError, RunError
 from ..evaluation import harness
 from ..lens import Diagnosis, diagnose
-from ..lens_inputs import context_query_task, fewshot_topic_task
+from ..lens.inputs import context_query_task, fewshot_topic_task
 from ..report import plot_merge_front
 from . import drift
 from .device import frozen_dtype_for, peak_memory_mb

@@ -6,7 +6,8 @@ from typing import Collection, Dict, Optional
 
 import torch
 
-from .. import parallel, quantize
+from .. import parallel
+from ..models import quantize
 from ..evaluation import harness, lm_eval_tasks
 from .. import merge_back as merge_back_module
 from ..data.truncation import MODES as TRUNCATION_MODES

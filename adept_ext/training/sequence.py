@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import data, held
+from .. import data
+from ..models import held
 from ..data.tasks import scored_by
 from ..evaluation import harness
 from ..evaluation.answers import answer_scores

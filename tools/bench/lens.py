@@ -9,7 +9,7 @@ from bench.common import peak_mb, row, smollm2, timed, touch_weights
 
 
 def lens_setup(n_queries, device):
-    from adept_ext.lens_inputs import fewshot_topic_task
+    from adept_ext.lens.inputs import fewshot_topic_task
 
     model, tokenizer = smollm2(device)
     batches = [{k: v.to(device) for k, v in b.items()}

@@ -64,8 +64,8 @@ def max_abs_diff(model, other):
 def lr_setup(args, device):
     """(model expanded with 4 copies, the copied layers, train batches, probe batches, description)."""
     from adept_ext import data
-    from adept_ext.expand import expand_layers
-    from adept_ext.probe import layer_importance
+    from adept_ext.adept.expand import expand_layers
+    from adept_ext.adept.probe import layer_importance
 
     steps = 4 if args.quick else 12
     if args.size == "large":
@@ -89,10 +89,10 @@ def lr_setup(args, device):
 
 
 def run(args, device):
-    from adept_ext.lr import DecoupledLR, param_groups
+    from adept_ext.adept.lr import DecoupledLR, param_groups
     from adept_ext.optim import GroupedAdamW
     from adept_ext.report import plot_unit_rates
-    from adept_ext.units import UnitImportance
+    from adept_ext.adept.units import UnitImportance
 
     model, chosen, train_batches, probe, description = lr_setup(args, device)
     # On a GPU the steps run under bf16 autocast, as the training runner does, and the recompute is

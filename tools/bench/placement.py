@@ -8,7 +8,8 @@ from bench.common import median_time, random_batches, random_model, row, smollm2
 
 
 def run(args, device):
-    from adept_ext import data, placement
+    from adept_ext import data
+    from adept_ext.adept import placement
 
     if args.size == "large":
         model = random_model("qwen3-0.6b-shape", torch.bfloat16, device)
@@ -39,7 +40,7 @@ def run(args, device):
 
 
 def rows(results):
-    from adept_ext import placement
+    from adept_ext.adept import placement
 
     fields = {"shape": f"{results['layers']} layers, k {results['k']}"}
     return [r for name in placement.PLACEMENTS

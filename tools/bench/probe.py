@@ -32,7 +32,7 @@ def probe_setup(n_blocks, device, batch_size=None):
 
 def run_probe_method(method, n_blocks, device, setup_only=False, state=None):
     """One probe run on SmolLM2 (used in-process for timing and in a child for peak memory)."""
-    from adept_ext.probe import layer_importance
+    from adept_ext.adept.probe import layer_importance
 
     model, batches = state or probe_setup(n_blocks, torch.device(device))
     if setup_only:

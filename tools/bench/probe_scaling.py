@@ -15,7 +15,7 @@ def _probe_rank(rank, world, port, n_blocks, threads, queue):
     """One process of the scaling run: gloo group of `world`, `threads` threads, the exact probe."""
     import torch.distributed as dist
 
-    from adept_ext.probe import layer_importance
+    from adept_ext.adept.probe import layer_importance
 
     torch.set_num_threads(threads)
     if world > 1:

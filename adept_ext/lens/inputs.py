@@ -1,14 +1,14 @@
 """LayerTracer's inputs (docs/methods.md §3): composite sequences s_1 ⊕ s_2 whose query part the
-logit lens and the context sensitivity of `lens` score — few-shot BBC News topic classification,
+logit lens and the context sensitivity of `lens.diagnosis` score — few-shot BBC News topic classification,
 or corpus blocks split into a context half and a query half."""
 import random
 from typing import Dict, List, Sequence
 
 import torch
 
-from .data.blocks import pad_id, pad_rows
-from .data.sources import bbc_news_labelled
-from .errors import InputError
+from ..data.blocks import pad_id, pad_rows
+from ..data.sources import bbc_news_labelled
+from ..errors import InputError
 
 
 def fewshot_topic_task(tokenizer, n_queries: int = 16, shots: int = 5, words: int = 40, batch_size: int = 8,

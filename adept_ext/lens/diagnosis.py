@@ -1,4 +1,4 @@
-"""LayerTracer diagnostics (docs/methods.md §3, arXiv 2605.11416 §3): where a model integrates task
+"""LayerTracer's diagnostics (docs/methods.md §3, arXiv 2605.11416 §3): where a model integrates task
 evidence (logit lens, task particle) and which layers are fragile (layer-wise sensitivity), and
 the "train shallow, freeze deep" allocation derived from them.
 
@@ -27,10 +27,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .models import adapter
-from .probe import LayerScores, device_batch, prefix_shared_variants
-from .report import dataclass_json, plot_diagnosis
-from .errors import InputError
+from ..models import adapter
+from ..adept.probe import LayerScores, device_batch, prefix_shared_variants
+from ..report import dataclass_json, plot_diagnosis
+from ..errors import InputError
 
 STRATEGIES = ("freeze_deep", "freeze_shallow")
 MASKABLE_ATTENTION = ("sdpa", "eager")

@@ -63,7 +63,7 @@ class DecoupledLR:
         missing = [n for n in names if n not in by_unit]
         if missing:
             raise ValueError(f"unit {missing[0]} has no param group of its own ({len(missing)} missing): "
-                             "build the optimizer from adept_ext.lr.param_groups(model, lr)")
+                             "build the optimizer from adept_ext.adept.lr.param_groups(model, lr)")
         # Indices, not the group dicts: optimizer.load_state_dict replaces the dicts.
         self._group_index = [by_unit[n] for n in names]
         self.steps = 0

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from . import parallel
-from .models import adapter
-from .report import dataclass_json, plot_layer_scores
+from .. import parallel
+from ..models import adapter
+from ..report import dataclass_json, plot_layer_scores
 
 METHODS = ("bypass", "block_influence", "taylor")
 # Default max_tokens_per_call by device type: on a GPU larger layer calls cut the L(L+1)/2 calls'

@@ -15,8 +15,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import held
-from .models import adapter
+from ..models import adapter, held
 
 
 def select_layers(scores, k: Optional[int] = None, trainable_fraction: Optional[float] = None, model=None) -> List[int]:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .models import adapter
-from .ops import taylor_importance
+from ..models import adapter
+from ..ops import taylor_importance
 
 MODES = ("abs", "signed")
 NORMALIZATIONS = ("per_kind", "global", "rank")

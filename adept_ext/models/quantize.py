@@ -17,9 +17,9 @@ from typing import Dict, List, Tuple
 import torch
 
 from . import held
-from .errors import RunError
-from .models import adapter
-from .optim import BNB_INSTALL, BNB_MODULE
+from ..errors import RunError
+from .families import adapter
+from ..optim import BNB_INSTALL, BNB_MODULE
 
 QUANT_TYPE, BLOCKSIZE = "nf4", 64
 _HELD = "_adept_nf4_originals"  # model.__dict__ entry: {module name: the exact nn.Linear}, not a submodule

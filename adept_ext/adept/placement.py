@@ -29,9 +29,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .models import adapter
+from ..models import adapter
 from .probe import device_batch, layer_importance
-from .errors import InputError
+from ..errors import InputError
 
 PLACEMENTS = ("importance", "uniform", "domain_aware", "plasticity", "depth", "spread")
 NEEDS_DOMAIN = ("domain_aware", "plasticity")
