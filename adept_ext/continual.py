@@ -27,7 +27,8 @@ from . import data, merge_back, parallel
 from .errors import InputError, RunError
 from .methods import create
 from .methods.base import REGISTRY, option
-from .lm_loss import check_packing, loss_path
+from .lm_loss import loss_path
+from .models.packed_attention import check_packing
 from .models import load_model, place_model
 from .data.truncation import report_entries
 from .training.sequence import (Evaluator, add_benchmarks, build_report, save_exact, track_scores,

@@ -36,7 +36,8 @@ from .data.truncation import report_entries
 from .methods import create, method_names
 from .methods.base import option
 from .methods.freeze_deep import DIAGNOSIS_TASKS
-from .lm_loss import check_packing, loss_path
+from .lm_loss import loss_path
+from .models.packed_attention import check_packing
 from .models import load_model, place_model
 from .report import plot_loss_curves
 from .training.one_domain import RunHooks, diagnosis_batches, evaluated_held, merged_back

@@ -11,7 +11,8 @@ from tiny_models import ARCHS, tiny_model, write_sequence_workspace
 from adept_ext import data
 from adept_ext.data.packing import DocumentRows, PackedRows, best_fit_decreasing, packed_view
 from adept_ext.errors import InputError, RunError
-from adept_ext.lm_loss import check_packing, hf_head_reason, next_token_loss, packing_reason
+from adept_ext.lm_loss import hf_head_reason, next_token_loss
+from adept_ext.models.packed_attention import check_packing, packing_reason
 
 WIDTH = 16
 
@@ -200,20 +201,20 @@ def flash_like():
 def test_packed_rows_are_flattened_into_one_row_for_flash_attention(flash_like, monkeypatch):
     """Several packed rows under a flash-like backend train as one flattened row [1, B·L], so the loss
     and gradients equal the unpacked documents'; left as B rows they attend across documents (refused)."""
-    import adept_ext.lm_loss as lm_loss
+    from adept_ext.models import packed_attention
 
     _, packed, unpacked = packed_and_unpacked()
     assert packed["input_ids"].shape[0] > 1
     n = int((unpacked["labels"][:, 1:] != -100).sum())
-    assert lm_loss.packed_layout(flash_like, packed)["input_ids"].shape == (1, packed["input_ids"].numel())
-    assert lm_loss.packed_layout(tiny_model("llama"), packed) is packed  # sdpa: each row masks its documents
+    assert packed_attention.packed_layout(flash_like, packed)["input_ids"].shape == (1, packed["input_ids"].numel())
+    assert packed_attention.packed_layout(tiny_model("llama"), packed) is packed  # sdpa: each row masks its documents
     assert packing_reason(flash_like) is None
     for implementation in ("fused", "hf"):
         (loss_p, grad_p), (loss_u, grad_u) = (loss_and_grads(flash_like, b, implementation, n)
                                               for b in (packed, unpacked))
         assert abs(float(loss_p - loss_u)) <= 1e-5 * float(loss_u), implementation
         assert float((grad_p - grad_u).abs().max()) <= 1e-5 * float(grad_u.abs().max()), implementation
-    monkeypatch.setattr(lm_loss, "packed_layout", lambda model, batch: batch)  # rows as they are: refused
+    monkeypatch.setattr(packed_attention, "packed_layout", lambda model, batch: batch)  # rows as they are: refused
     assert "lets packed documents see each other" in packing_reason(flash_like)
 
 

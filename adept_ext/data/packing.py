@@ -13,7 +13,7 @@ placed into rows of `max_length` tokens by best-fit decreasing, each keeping its
   Face's `DataCollatorWithFlattening` contract: given position ids and no attention mask, transformers'
   masking_utils (`find_packed_sequence_indices`) confines sdpa's and eager attention to each document
   (a block-diagonal causal mask); flash attention's variable-length path reads the same ids in one row
-  only, so the loss flattens a micro-batch of packed rows for it (`lm_loss.packed_layout`).
+  only, so the loss flattens a micro-batch of packed rows for it (`models.packed_attention.packed_layout`).
 """
 from bisect import bisect_left, insort
 from heapq import heappop, heappush

@@ -14,7 +14,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..lm_loss import IGNORE_INDEX, base_model, final_hidden, packed_layout
+from ..lm_loss import IGNORE_INDEX, final_hidden
+from ..models import base_model
+from ..models.packed_attention import packed_layout
 from ..models import adapter
 from .base import option, register
 from .lora import SeqLora, SeqLoraConfig

@@ -194,6 +194,14 @@ class ModelAdapter:
         return found
 
 
+def base_model(model):
+    """The Hugging Face model inside a DDP or PEFT wrapper (an FSDP2 model is itself)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def adapter(model) -> ModelAdapter:
     """The adapter of a supported model (a DistributedDataParallel wrapper is looked through);
     InputError naming the supported architectures (and why a known one is refused) otherwise."""

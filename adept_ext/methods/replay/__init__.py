@@ -44,7 +44,8 @@ import torch
 
 from ... import data
 from ...errors import InputError
-from ...lm_loss import IGNORE_INDEX, base_model, final_hidden
+from ...lm_loss import IGNORE_INDEX, final_hidden
+from ...models import base_model
 from ...models import adapter
 from .scores import (SLOT, label_space, label_space_sum, row_losses, top_k_log_probs,
                      without_tokens_sum)

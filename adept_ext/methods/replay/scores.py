@@ -8,7 +8,9 @@ import numpy as np
 import torch
 
 from ...errors import InputError
-from ...lm_loss import IGNORE_INDEX, base_model, final_hidden, packed_layout
+from ...lm_loss import IGNORE_INDEX, final_hidden
+from ...models import base_model
+from ...models.packed_attention import packed_layout
 from ...models import adapter
 
 MAX_LABEL_SPACE = 4096  # answer tokens of one task beyond which label_space is refused (not label strings)
