@@ -83,8 +83,8 @@ def test_train_on_prompt_trains_on_every_token_and_still_scores_the_answers(work
                                for on in (False, True))
     train = [t.train.tensors() for t in (plain, everything)]
     assert (train[1]["labels"] != -100).sum() > (train[0]["labels"] != -100).sum()
-    assert torch.equal(train[1]["labels"][train[1]["attention_mask"] == 1],
-                       train[1]["input_ids"][train[1]["attention_mask"] == 1])
+    assert torch.equal(train[1]["labels"], train[1]["input_ids"].masked_fill(train[1]["attention_mask"] == 0, -100))
+    assert torch.equal(train[0]["input_ids"], train[1]["input_ids"])  # the same examples: split once
     held = [t.held.tensors() for t in (plain, everything)]
     assert all(torch.equal(held[0][k], held[1][k]) for k in held[0])
     assert plain.replies and everything.replies
@@ -92,8 +92,8 @@ def test_train_on_prompt_trains_on_every_token_and_still_scores_the_answers(work
 
 def test_train_on_prompt_holds_out_no_training_example_when_truncation_skips_differently(workspace, tmp_path):
     """keep_start at 48 tokens cuts the answer off the long conversations: labelled on every token they
-    are kept, scored on the answer they are skipped; the split is over the examples both keep, so no
-    held-out row is a training row, and the held-out rows are the answer-labelled ones."""
+    would be kept, scored on the answer they are skipped; the examples are split once, as labelled on their
+    answers, so no held-out row is a training row, and the held-out rows are the answer-labelled ones."""
     chats = [{"messages": [{"role": "user", "content": f"Colour {i}?" + " more" * (i % 4) * 6},
                            {"role": "assistant", "content": f"shade {i}"}]} for i in range(40)]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats))

@@ -138,8 +138,8 @@ def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, max_le
         starts = (turn_starts(tokenizer, messages, template, text, offsets, place)
                   if len(ids) > max_length and truncation_mode == "keep_end" else ())
         keep = kept(len(ids), max_length, truncation_mode, starts)
-        marks = [train_on_prompt or any(a <= start < b for a, b in spans) for start, _ in offsets[keep]]
-        if not any(marks[1:]):  # the first token is never a target
+        marks = [any(a <= start < b for a, b in spans) for start, _ in offsets[keep]]
+        if not (any(marks[1:]) or train_on_prompt and len(marks) > 1):  # the first token is never a target
             counts.skipped += 1
             continue
         counts.truncated += len(marks) < len(ids)
@@ -148,4 +148,5 @@ def chat_blocks(conversations: Sequence[List[Dict[str, str]]], tokenizer, max_le
         examples.append(n)
     counts.check(source, f"none keeps an assistant token to train on within --max-length {max_length} "
                          f"(truncation_mode {truncation_mode}); raise --max-length or choose the other truncation_mode")
-    return ExampleBlocks.of_rows(rows, labels, pad_id(tokenizer), max_length, counts, examples)
+    blocks = ExampleBlocks.of_rows(rows, labels, pad_id(tokenizer), max_length, counts, examples)
+    return blocks.on_every_token() if train_on_prompt else blocks

@@ -216,8 +216,9 @@ def instruction_blocks(examples: Sequence[Tuple[str, str]], tokenizer, max_lengt
         kept_examples.append(n)
     counts.check(source, f"each answer with its EOS takes --max-length {max_length} tokens or more (the longest "
                          f"{longest}), which leaves no room for the prompt; raise --max-length")
-    marks = [[train_on_prompt or t >= start for t in range(len(row))] for row, start in zip(rows, answer_starts)]
-    return ExampleBlocks.of_rows(rows, marks, pad_id(tokenizer), max_length, counts, kept_examples)
+    marks = [[t >= start for t in range(len(row))] for row, start in zip(rows, answer_starts)]
+    blocks = ExampleBlocks.of_rows(rows, marks, pad_id(tokenizer), max_length, counts, kept_examples)
+    return blocks.on_every_token() if train_on_prompt else blocks
 
 
 def is_conversational_file(path: Path) -> bool:
@@ -295,31 +296,26 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
         return Task(name, kind, *split_views(corpus_blocks(source, tokenizer, block_len, workers, documents), seed,
                                              f"task {name!r}"))
 
-    def labelled(on_prompt: bool) -> TensorBlocks:
-        if examples is None:  # a JSONL file's records
-            return instruction_file_blocks(path, tokenizer, block_len, chat_template, on_prompt, truncation_mode)
-        return TensorBlocks(instruction_blocks(examples, tokenizer, block_len, on_prompt, truncation_mode,
-                                               f"task {name!r}"))
-
-    trained = labelled(train_on_prompt)
-    scored = labelled(False) if train_on_prompt else trained  # held-out rows are scored on the answers alone
-    train, held = split_examples(trained, scored, seed, f"task {name!r}")
+    if examples is None:  # a JSONL file's records
+        scored = instruction_file_blocks(path, tokenizer, block_len, chat_template, False, truncation_mode)
+    else:
+        scored = TensorBlocks(instruction_blocks(examples, tokenizer, block_len, False, truncation_mode,
+                                                 f"task {name!r}"))
+    train, held = split_examples(scored, train_on_prompt, seed, f"task {name!r}")
     return Task(name, kind, train, held, replies=examples is None and is_conversational_file(path))
 
 
-def split_examples(trained: TensorBlocks, scored: TensorBlocks, seed: int, what: str) -> Tuple[BlockSet, BlockSet]:
-    """(train, held-out) views of one task's examples labelled two ways: `trained` as training labels
-    them, `scored` as held-out rows are scored (`--train-on-prompt`: on the answers alone). Truncation
-    may skip different examples in the two; only those both keep are split (`split_views`, once), so
-    a held-out row's example is never a training row's. InputError naming `what` for fewer than 2."""
-    if scored is not trained:
-        kept_too = set(scored.blocks.examples)
-        both = [e for e in trained.blocks.examples if e in kept_too]
-        trained, scored = (TensorBlocks(b.blocks.of_examples(both)) for b in (trained, scored))
-    if len(trained) < 2:
-        raise InputError(f"{what}: {len(trained)} example(s); at least 2 are needed to hold one out")
-    train, held = split_views(trained, seed, what)
-    return train, BlockSet(scored, held.indices)
+def split_examples(scored: TensorBlocks, train_on_prompt: bool, seed: int, what: str) -> Tuple[BlockSet, BlockSet]:
+    """(train, held-out) views of one task's examples, tokenised and labelled on their answers once
+    (`scored`, what held-out rows are scored on) and split once (`split_views`), so a held-out row's
+    example is never a training row's; the training rows labelled on every token with
+    `train_on_prompt` (`ExampleBlocks.on_every_token`). InputError naming `what` for fewer than 2."""
+    if len(scored) < 2:
+        raise InputError(f"{what}: {len(scored)} example(s); at least 2 are needed to hold one out")
+    train, held = split_views(scored, seed, what)
+    if train_on_prompt:
+        train = BlockSet(TensorBlocks(scored.blocks.on_every_token()), train.indices)
+    return train, held
 
 
 def load_tasks(spec: str, tokenizer, block_len: int, seed: int, workers: int = 1, chat_template: str = "",

@@ -63,11 +63,11 @@ class ExampleBlocks(dict):
         return cls({"input_ids": input_ids, "attention_mask": attention_mask,
                     "labels": input_ids.masked_fill(~labelled, -100)}, truncation, examples)
 
-    def of_examples(self, examples: Sequence[int]) -> "ExampleBlocks":
-        """The blocks of those source examples (each one of `self.examples`), in that order."""
-        row = {e: i for i, e in enumerate(self.examples)}
-        index = torch.tensor([row[e] for e in examples], dtype=torch.long)
-        return ExampleBlocks({k: v[index] for k, v in self.items()}, self.truncation, examples)
+    def on_every_token(self) -> "ExampleBlocks":
+        """The same examples labelled on every token but the padding (`--train-on-prompt`, TRL's
+        `completion_only_loss=False`); no tokenisation again."""
+        labels = self["input_ids"].masked_fill(self["attention_mask"] == 0, -100)
+        return ExampleBlocks({**self, "labels": labels}, self.truncation, self.examples)
 
 
 def check_mode(mode: str):
