@@ -14,9 +14,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .models import held
 from .errors import InputError
-from .models import adapter
+from .models import adapter, held
 
 SCHEDULES = ("uniform", "lines")
 GRID = tuple(i / 10 for i in range(11))  # the α an `auto` choice scores

@@ -84,11 +84,21 @@ def test_merge_back_0_saves_the_start(workspace, method, extra):
         assert got.keys() == base.keys() and all(torch.equal(got[k], base[k]) for k in base)
 
 
-def test_auto_scores_the_grid_and_keeps_the_forgetting_bound(workspace):
+def test_auto_scores_the_grid_and_keeps_the_forgetting_bound(workspace, monkeypatch):
+    from adept_ext.training import one_domain
+
+    real_evaluate, evaluated = one_domain.evaluate, []
+
+    def counted(*args, **kwargs):
+        evaluated.append(args[1])
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(one_domain, "evaluate", counted)
     report = run(options(workspace, "full-auto", method="full", merge_back="auto", merge_back_schedule="lines",
                          merge_back_min=0.2, max_forgetting=0.05), progress=False, log=lambda *a: None)
     mb = report["merge_back"]
     assert [p["alpha"] for p in mb["front"]] == pytest.approx([0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    assert len(evaluated) == 2 * (2 + len(mb["front"]))  # base, trained, each α once: the chosen not again
     within = [p["alpha"] for p in mb["front"] if p["general_delta"] <= 0.05]
     assert mb["alpha"] == max(within, default=0.0)
     assert report["final"]["general_loss"] == pytest.approx(

@@ -35,14 +35,20 @@ class RunHooks(TaskHooks):
                                        "peak_memory_mb": round(peak_memory_mb(self.device)), **extra}
         self.t0 = time.time()
 
-    def evaluate(self, step: int, label="", group="eval", base=False):
-        """The held-out losses and, with --drift-tokens, the drift signal (`drift.mean_kl`; on the `base`
-        model its reference is taken, and the base's own KL is 0), sent to the tracker as
-        `group`/general_loss, `group`/domain_loss and `group`/kl_to_base."""
+    def held_out_losses(self, label="") -> Dict[str, float]:
+        """The model's general and domain held-out losses."""
         c = self.corpora
-        result = {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress,
-                                 self.cfg.loss_implementation)
-                  for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
+        return {name: evaluate(self.model, batches, self.device, f"eval {name.split('_')[0]}{label}", self.progress,
+                               self.cfg.loss_implementation)
+                for name, batches in (("general_loss", c.general_eval), ("domain_loss", c.domain_eval))}
+
+    def evaluate(self, step: int, label="", group="eval", base=False, losses: Optional[Dict[str, float]] = None):
+        """The held-out losses (`losses` where the caller has just computed them on this model) and, with
+        --drift-tokens, the drift signal (`drift.mean_kl`; on the `base` model its reference is taken, and
+        the base's own KL is 0), sent to the tracker as `group`/general_loss, `group`/domain_loss and
+        `group`/kl_to_base."""
+        c = self.corpora
+        result = dict(losses) if losses is not None else self.held_out_losses(label)
         if self.cfg.drift_tokens and base:
             self.drift_reference = drift.base_distributions(self.model, c.general_eval, self.cfg.drift_tokens,
                                                             self.device)
@@ -95,6 +101,7 @@ def merged_back(cfg, model, hooks, step: int, out: Optional[Path], log) -> Tuple
     at the chosen α (auto: `merge_back.choose_alpha`), its evaluation as the run's final one (KL to the
     base included). Returns (that evaluation, report.json's "merge_back": the choice, the front with its
     Δloss from the base, the trained model's evaluation, the merge's seconds per α); merge_back.png in `out`."""
+    hooks.model = model  # the finished model is what is scored from here on
     merger = merge_back.MergeBack(model, hooks.merge_start)
     fixed = merge_back_alpha(cfg)
     grid = [fixed] if fixed is not None else [a for a in merge_back.GRID if a >= cfg.merge_back_min]
@@ -103,15 +110,13 @@ def merged_back(cfg, model, hooks, step: int, out: Optional[Path], log) -> Tuple
         started = time.perf_counter()
         merger.set(alpha, cfg.merge_back_schedule, cfg.merge_back_min)
         seconds.append(time.perf_counter() - started)
-        losses = {name: evaluate(model, batches, hooks.device, f"eval {name.split('_')[0]} (α={alpha:g})",
-                                 hooks.progress, cfg.loss_implementation)
-                  for name, batches in (("general_loss", hooks.corpora.general_eval),
-                                        ("domain_loss", hooks.corpora.domain_eval))}
+        losses = hooks.held_out_losses(f" (α={alpha:g})")
         front.append({"alpha": alpha, **losses, "general_delta": losses["general_loss"] - hooks.base["general_loss"],
                       "domain_delta": losses["domain_loss"] - hooks.base["domain_loss"]})
     chosen = fixed if fixed is not None else merge_back.choose_alpha(front, cfg.max_forgetting)
     merger.set(chosen, cfg.merge_back_schedule, cfg.merge_back_min)
-    final = hooks.evaluate(step, f" (merged back, α={chosen:g})", group="merged")
+    point = next(p for p in front if p["alpha"] == chosen)  # its losses: the front's, not evaluated again
+    final = hooks.evaluate(step, group="merged", losses={k: point[k] for k in ("general_loss", "domain_loss")})
     log(f"merged back toward the start at α = {chosen:g} ({cfg.merge_back_schedule}): general loss "
         f"{final['general_loss']:.4f}, domain loss {final['domain_loss']:.4f} (trained: "
         f"{hooks.final['general_loss']:.4f}, {hooks.final['domain_loss']:.4f})")
