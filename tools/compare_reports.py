@@ -38,6 +38,8 @@ CONFIGURATIONS = {  # name -> (command, flags beyond the common ones: only optio
     "run-adept-no-expand": ("run", ["--method", "adept_no_expand", *LAYERS, *RATES]),
     "run-adept-uniform-lr": ("run", ["--method", "adept_uniform_lr", *LAYERS]),
     "run-lora-mix": ("run", ["--method", "lora", *LORA, "--mix-general", "0.25"]),
+    "run-full-merge-back": ("run", ["--method", "full", "--merge-back", "auto", "--merge-back-schedule", "lines",
+                                    "--merge-back-min", "0.2", "--max-forgetting", "0.05"]),
     "continual-seq-full": ("continual", ["--method", "seq_full"]),
     "continual-seq-lora": ("continual", ["--method", "seq_lora", *LORA]),
     "continual-replay": ("continual", ["--method", "replay", "--replay-fraction", "0.5"]),
@@ -53,6 +55,14 @@ CONFIGURATIONS = {  # name -> (command, flags beyond the common ones: only optio
     "continual-deal": ("continual", ["--method", "deal", "--deal-rank", "2", "--deal-new-rank", "2"]),
     "continual-deal-public": ("continual", ["--method", "deal", "--deal-rank", "2", "--deal-variant", "public_code"]),
     "continual-per-task": ("continual", ["--method", "per_task", *LORA]),
+    "continual-seq-lora-train-on-prompt": ("continual", ["--method", "seq_lora", *LORA, "--train-on-prompt"]),
+    "continual-seq-lora-freeze-bottom": ("continual", ["--method", "seq_lora", *LORA, "--freeze-bottom", "1"]),
+    "continual-seq-lora-merge-back": ("continual", ["--method", "seq_lora", *LORA, "--merge-back", "0.5"]),
+    "continual-ewc": ("continual", ["--method", "ewc", *LORA]),
+    "continual-lwf": ("continual", ["--method", "lwf", *LORA]),
+    "continual-agem": ("continual", ["--method", "agem", *LORA]),
+    "continual-merge-tasks": ("continual", ["--method", "merge_tasks", *LORA]),
+    "continual-osf": ("continual", ["--method", "osf"]),
 }
 
 
