@@ -297,10 +297,10 @@ def load_task(source: str, tokenizer, block_len: int, seed: int, workers: int = 
                                              f"task {name!r}"))
 
     if examples is None:  # a JSONL file's records
-        scored = instruction_file_blocks(path, tokenizer, block_len, chat_template, False, truncation_mode)
+        scored = instruction_file_blocks(path, tokenizer, block_len, chat_template, truncation_mode=truncation_mode)
     else:
-        scored = TensorBlocks(instruction_blocks(examples, tokenizer, block_len, False, truncation_mode,
-                                                 f"task {name!r}"))
+        scored = TensorBlocks(instruction_blocks(examples, tokenizer, block_len, truncation_mode=truncation_mode,
+                                                 source=f"task {name!r}"))
     train, held = split_examples(scored, train_on_prompt, seed, f"task {name!r}")
     return Task(name, kind, train, held, replies=examples is None and is_conversational_file(path))
 
