@@ -29,7 +29,7 @@ from typing import Collection, Dict
 import torch
 
 from . import data, parallel
-from .models import held
+from .models import held, load_model, place_model
 from .evaluation import harness
 from .errors import InputError, RunError
 from .data.truncation import report_entries
@@ -38,7 +38,6 @@ from .methods.base import option
 from .methods.freeze_deep import DIAGNOSIS_TASKS
 from .lm_loss import loss_path
 from .models.packed_attention import check_packing
-from .models import load_model, place_model
 from .report import plot_loss_curves
 from .training.one_domain import RunHooks, diagnosis_batches, evaluated_held, merged_back
 from .training.markdown import run_markdown

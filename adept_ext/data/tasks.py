@@ -27,8 +27,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 
 from ..errors import InputError
-from .chat import chat_blocks, messages_of
-from .chat import chat_template as chat_template_of
+from .chat import chat_blocks, chat_template as chat_template_of, messages_of
 from .blocks import (BlockSet, TensorBlocks, document_bos, document_ids, pad_id, split_views,
                      token_blocks)
 from .large_corpus import corpus_blocks

@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from ..lm_loss import IGNORE_INDEX, final_hidden
-from ..models import base_model
+from ..models import adapter, base_model
 from ..models.packed_attention import packed_layout
-from ..models import adapter
 from .base import option, register
 from .lora import SeqLora, SeqLoraConfig
 

@@ -6,11 +6,10 @@ from typing import Collection, Dict
 import torch
 
 from .. import parallel
-from ..models import held, quantize
+from ..models import adapter, free_memory, held, quantize
 from ..optim import moment_bytes, step_bytes
 from ..errors import RunError
 from ..lm_loss import uses_fused_loss
-from ..models import adapter, free_memory
 from ..ops import default_chunk_rows
 
 

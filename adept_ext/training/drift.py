@@ -11,11 +11,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from ..models import held
+from ..models import adapter, base_model, held
 from ..lm_loss import IGNORE_INDEX, final_hidden
-from ..models import base_model
 from ..models.packed_attention import packed_layout
-from ..models import adapter
 from .loop import batch_to_device, vocab_size
 
 CHUNK_ROWS = 256  # positions whose V logits are formed at once

@@ -12,11 +12,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import lm_loss, parallel
-from ..models import held, quantize
+from ..models import adapter, base_model, held, quantize
 from ..data import check_labels
 from ..lm_loss import next_token_loss
-from ..models import base_model
-from ..models import adapter
 from ..methods.task import Task, prepare
 from ..ops.torch_internals import uncompile_module
 from ..optim import make_optimizer

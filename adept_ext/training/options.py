@@ -6,16 +6,14 @@ from typing import Collection, Dict, Optional
 
 import torch
 
-from .. import parallel
-from ..models import quantize
+from .. import merge_back as merge_back_module, parallel
+from ..models import check_attention, quantize
 from ..evaluation import harness, lm_eval_tasks
-from .. import merge_back as merge_back_module
 from ..data.truncation import MODES as TRUNCATION_MODES
 from ..errors import RunError
 from ..lm_loss import LOSS_IMPLEMENTATIONS
 from ..methods import create, method_names
 from ..methods.base import REGISTRY, option
-from ..models import check_attention
 from ..optim import check_optimizer
 from .config import check_types, current_names, foreign_options
 from .tracking import backends_of

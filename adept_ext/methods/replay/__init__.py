@@ -45,8 +45,7 @@ import torch
 from ... import data
 from ...errors import InputError
 from ...lm_loss import IGNORE_INDEX, final_hidden
-from ...models import base_model
-from ...models import adapter
+from ...models import adapter, base_model
 from .scores import (SLOT, label_space, label_space_sum, row_losses, top_k_log_probs,
                      without_tokens_sum)
 from ..base import Method, MethodConfig, get_method, option, register

@@ -9,9 +9,8 @@ import torch
 
 from ...errors import InputError
 from ...lm_loss import IGNORE_INDEX, final_hidden
-from ...models import base_model
+from ...models import adapter, base_model
 from ...models.packed_attention import packed_layout
-from ...models import adapter
 
 MAX_LABEL_SPACE = 4096  # answer tokens of one task beyond which label_space is refused (not label strings)
 SLOT = "replay_slot"  # the batch column naming a row's buffer slot (-1: the task's own row)
